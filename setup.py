@@ -1,0 +1,22 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="glm53_ds",
+    version="0.1.0",
+    description="GLM-5.3-Flash (glm5_next) on megatron-core layer specs, trained with DeepSpeed ZeRO + expert parallelism",
+    packages=find_packages(include=["glm53_ds", "glm53_ds.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        "torch==2.13.0",
+        "megatron-core==0.16.1",
+        "deepspeed==0.19.8",
+        "transformers==5.23.0",
+        "safetensors",
+        "numpy",
+    ],
+    extras_require={
+        # triton ships with CUDA torch builds; pinned here so CPU CI can run the kernels in the interpreter.
+        "triton": ["triton==3.9.0"],
+        "test": ["triton==3.9.0", "pytest", "ruff", "mypy"],
+    },
+)
