@@ -1,4 +1,4 @@
-"""Fused Triton kernels for `hc_post` (see `hc_post.py` for the math and rounding contract).
+"""Fused Triton kernels for `hc_post` (see `hc_post_op.py` for the math and rounding contract).
 
 Forward: one program per (token, block of D columns). It loads `x` once, each residual stream once, and the
 token's `post [n]` / `comb [n, n]`, and writes all `n` output streams for its columns: the residual is read once

@@ -5,7 +5,7 @@ Each decoder layer keeps `n = hc_mult` residual streams `[..., n, D]`. Before a 
   - `collapsed [..., D]`: the sub-block input, a `pre`-weighted sum of the streams,
   - `post [..., n]`: how the sub-block output is written back to each stream,
   - `comb [..., n, n]`: a doubly-stochastic mixing of the old streams (Sinkhorn-normalised).
-`hc_post` (in `hc_post.py`) then forms `out[h] = post[h] * y + sum_h' comb[h', h] * streams[h']`.
+`hc_post` (in `hc_post_op.py`) then forms `out[h] = post[h] * y + sum_h' comb[h', h] * streams[h']`.
 
 The numerics follow `transformers==5.23.0` `Glm5NextTextHyperConnection` operation by operation:
 the flattened streams are RMS-normalised without a weight **in fp32 with the text config's `rms_norm_eps`**

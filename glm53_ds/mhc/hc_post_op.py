@@ -12,8 +12,8 @@ rounded to the activation dtype, then added (one more rounding). In fp32 every r
 Backends, chosen per call:
   - `triton`: fused forward/backward kernels (`hc_post_triton.py`), the default on CUDA. The residual is read
     once per token and no `[..., n, D]` fp32 temporary exists.
-  - `eager`: torch ops with fp32 accumulation, one output stream at a time, so nothing larger than the output
-    and a few `[..., D]` fp32 rows is allocated (no `[..., n, n, D]` intermediate). The default elsewhere.
+  - `eager`: torch ops with fp32 accumulation over bounded chunks of tokens, so nothing larger than the output
+    and one chunk's fp32 temporaries is allocated (no `[..., n, n, D]` intermediate). The default elsewhere.
 `GLM53_HC_POST=eager|triton|auto` forces a path; `triton` on CPU tensors needs `TRITON_INTERPRET=1`
 (Triton's interpreter), which is how CI runs the kernels.
 
@@ -98,21 +98,37 @@ def _rounded_weights(
     return post.to(dtype).float(), comb.to(dtype).float()
 
 
+# Tokens per eager chunk are chosen so one chunk's fp32 temporaries stay near 4 MiB each, whatever the size.
+EAGER_CHUNK_ELEMENTS = 1 << 20
+
+
+def _token_slices(residual: torch.Tensor) -> list[slice]:
+    """Slices over the flattened token dim of `residual [..., n, D]`, each about EAGER_CHUNK_ELEMENTS long."""
+    n, d = residual.shape[-2:]
+    row = max(n * d, 1)
+    tokens, step = residual.numel() // row, max(1, EAGER_CHUNK_ELEMENTS // row)
+    return [slice(t0, t0 + step) for t0 in range(0, tokens, step)]
+
+
 def hc_post_forward_eager(
     x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
 ) -> torch.Tensor:
-    """Forward without autograd, one output stream at a time (peak extra memory: the output + a few fp32 rows)."""
+    """Forward without autograd. Peak extra memory: the output plus one token chunk's fp32 temporaries."""
     dtype = residual.dtype
-    n = residual.shape[-2]
-    post_c, comb_c = _rounded_weights(post, comb, dtype)
+    n, d = residual.shape[-2:]
     out = torch.empty(residual.shape, dtype=dtype, device=residual.device)
-    for h in range(n):
-        # sum_h' comb[h', h] * residual[h'] in fp32 (bf16 residual rows promote inside the ops, no full copy)
-        mixed = comb_c[..., 0, h, None] * residual[..., 0, :]
-        for hp in range(1, n):
-            mixed.addcmul_(comb_c[..., hp, h, None], residual[..., hp, :])
-        expanded = post_c[..., h, None] * x
-        torch.add(expanded.to(dtype), mixed.to(dtype), out=out[..., h, :])
+    x2, r3, p2, c3, o3 = (
+        x.reshape(-1, d),
+        residual.reshape(-1, n, d),
+        post.reshape(-1, n),
+        comb.reshape(-1, n, n),
+        out.view(-1, n, d),
+    )
+    for sl in _token_slices(residual):
+        post_c, comb_c = _rounded_weights(p2[sl], c3[sl], dtype)
+        expanded = post_c.unsqueeze(-1) * x2[sl].float().unsqueeze(-2)  # [c, n, D]
+        mixed = torch.matmul(comb_c.transpose(-1, -2), r3[sl].float())  # [c, n, n]^T @ [c, n, D] -> [c, n, D]
+        torch.add(expanded.to(dtype), mixed.to(dtype), out=o3[sl])
     return out
 
 
@@ -121,13 +137,27 @@ def hc_post_backward_eager(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of x, residual, post, comb; fp32 accumulation, each returned in its input's dtype."""
     dtype = residual.dtype
-    post_c, comb_c = _rounded_weights(post, comb, dtype)
-    g = grad_out.float()  # [..., n, D]
-    grad_x = torch.matmul(post_c.unsqueeze(-2), g).squeeze(-2)  # [..., 1, n] @ [..., n, D] -> [..., D]
-    grad_residual = torch.matmul(comb_c, g)  # [..., n, n] @ [..., n, D]: sum_h comb[h', h] g[h]
-    grad_post = torch.matmul(g, x.float().unsqueeze(-1)).squeeze(-1)  # [..., n, D] @ [..., D, 1] -> [..., n]
-    grad_comb = torch.matmul(residual.float(), g.transpose(-1, -2))  # [h', h] = sum_d residual[h'] g[h]
-    return grad_x.to(x.dtype), grad_residual.to(dtype), grad_post.to(post.dtype), grad_comb.to(comb.dtype)
+    n, d = residual.shape[-2:]
+    grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    grad_res = torch.empty(residual.shape, dtype=dtype, device=residual.device)
+    grad_post = torch.empty(post.shape, dtype=post.dtype, device=post.device)
+    grad_comb = torch.empty(comb.shape, dtype=comb.dtype, device=comb.device)
+    g3, x2, r3 = grad_out.reshape(-1, n, d), x.reshape(-1, d), residual.reshape(-1, n, d)
+    p2, c3 = post.reshape(-1, n), comb.reshape(-1, n, n)
+    gx2, gr3, gp2, gc3 = (
+        grad_x.view(-1, d),
+        grad_res.view(-1, n, d),
+        grad_post.view(-1, n),
+        grad_comb.view(-1, n, n),
+    )
+    for sl in _token_slices(residual):
+        post_c, comb_c = _rounded_weights(p2[sl], c3[sl], dtype)
+        g = g3[sl].float()  # [c, n, D]
+        gx2[sl] = torch.matmul(post_c.unsqueeze(-2), g).squeeze(-2)  # [c, 1, n] @ [c, n, D] -> [c, D]
+        gr3[sl] = torch.matmul(comb_c, g)  # [c, n, n] @ [c, n, D]: sum_h comb[h', h] g[h]
+        gp2[sl] = torch.matmul(g, x2[sl].float().unsqueeze(-1)).squeeze(-1)  # [c, n, D] @ [c, D, 1] -> [c, n]
+        gc3[sl] = torch.matmul(r3[sl].float(), g.transpose(-1, -2))  # [h', h] = sum_d residual[h'] g[h]
+    return grad_x, grad_res, grad_post, grad_comb
 
 
 def hc_post_hf_expression(

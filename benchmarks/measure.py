@@ -1,0 +1,130 @@
+"""Measurement helpers shared by the benchmarks: timing, peak extra memory, copy bandwidth, result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], Any], device: torch.device, warmup: int = 2, repeats: int = 5) -> float:
+    """Median wall time of `fn()` in seconds (device-synchronised)."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+class _LiveTensorBytes(TorchDispatchMode):
+    """Counts bytes of tensor storages allocated by ops run under it, while they are alive.
+
+    Works on any device (CPU has no allocator statistics). Storages that existed before (inputs, parameters)
+    are not counted. Allocations made inside an opaque custom op are invisible except its outputs, so measure
+    an implementation function, not the op wrapping it, to see its temporaries.
+    """
+
+    def __init__(self, preexisting: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._tracked: set[int] = {t.untyped_storage().data_ptr() for t in preexisting}
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self._tracked.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes == 0 or key in self._tracked:
+                continue
+            self._tracked.add(key)
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(t, self._free, key, nbytes)
+        return out
+
+
+def peak_extra_bytes(fn: Callable[[], Any], inputs: list[torch.Tensor]) -> int:
+    """Peak bytes of tensors allocated while `fn()` runs, beyond `inputs` (the result counts while alive)."""
+    device = inputs[0].device
+    if device.type == "cuda":
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        result = fn()
+        synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+        del result
+        return int(peak)
+    mode = _LiveTensorBytes(inputs)
+    with mode:
+        result = fn()
+    del result
+    return mode.peak
+
+
+def copy_bandwidth(nbytes: int, device: torch.device) -> float:
+    """Measured device copy bandwidth in bytes/s (read + write counted)."""
+    src = torch.empty(max(nbytes // 4, 1), dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    seconds = time_call(lambda: dst.copy_(src), device)
+    return 2 * src.numel() * 4 / seconds
+
+
+def device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def write_results(name: str, payload: dict[str, Any]) -> str:
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    path = os.path.join(RESULTS_DIR, f"{name}.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    print("  ".join(c.rjust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in columns))
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
