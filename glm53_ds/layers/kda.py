@@ -1,0 +1,120 @@
+"""KDA linear attention layer (3 of every 4 GLM-5.3 layers), HF `Glm5NextTextLinearAttention` semantics.
+
+x [s, b, D] -> padding tokens zeroed -> q/k/v projections -> causal depthwise short conv + SiLU (per q, k, v:
+the released checkpoint stores `q_conv1d`/`k_conv1d`/`v_conv1d`) -> per-channel forget gate g (log decay)
+and write strength beta = sigmoid(b_proj x) -> chunked delta rule (fp32) -> gated RMSNorm with
+g_b(g_a(x)) -> o_proj -> [s, b, D].
+
+Forget gate: f = f_b(f_a(x)) + dt_bias, A = exp(A_log) per head; with `linear_lower_bound` L:
+g = L * sigmoid(A * f) (in [L, 0]); without it: g = -A * softplus(f) (softplus taken as f above 20).
+`A_log`, `dt_bias` and the convolutions are fp32 parameters whatever the model dtype (HF keeps them fp32).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..transformer_config import Glm53TransformerConfig
+from .kda_ops import kda_attention
+from .linear import ColumnLinear, RowLinear
+from .norm import GatedRMSNorm
+
+
+class ForgetGate(nn.Module):
+    def __init__(self, config: Glm53TransformerConfig) -> None:
+        super().__init__()
+        cfg = config.glm
+        assert cfg is not None
+        self.head_dim = cfg.linear_head_dim
+        self.num_heads = cfg.linear_num_heads
+        key_dim = self.head_dim * self.num_heads
+        self.f_a_proj = ColumnLinear(config, cfg.hidden_size, self.head_dim)
+        self.f_b_proj = ColumnLinear(config, self.head_dim, key_dim)
+        self.dt_bias = nn.Parameter(torch.empty(key_dim, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+        self.lower_bound = cfg.linear_lower_bound
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # HF / FLA init: A_log = 0 with the safe lower bound, else log U(1, 16); dt = exp(U(log 1e-3, log 1e-1))
+        # stored as its inverse softplus.
+        with torch.no_grad():
+            if self.lower_bound is not None:
+                self.A_log.zero_()
+            else:
+                self.A_log.uniform_(1.0, 16.0).log_()
+            dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [b, s, D] -> g [b, s, H, dk] fp32 (log decay, <= 0)."""
+        f = self.f_b_proj(self.f_a_proj(x))
+        f = (f.float() + self.dt_bias.float()).unflatten(-1, (self.num_heads, self.head_dim))
+        decay_rate = self.A_log.float().exp()[:, None]  # [H, 1]
+        if self.lower_bound is not None:
+            return self.lower_bound * torch.sigmoid(decay_rate * f)
+        softplus = torch.where(f > 20.0, f, torch.log(1.0 + torch.exp(f)))
+        return -decay_rate * softplus
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config: Glm53TransformerConfig, layer_number: int = 1, pg_collection=None, **_) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        cfg = config.glm
+        assert cfg is not None, "KimiDeltaAttention needs a Glm53TransformerConfig with .glm set"
+        self.layer_number = layer_number
+        self.num_heads = cfg.linear_num_heads
+        self.head_dim = cfg.linear_head_dim
+        key_dim = self.num_heads * self.head_dim
+        hidden = cfg.hidden_size
+        self.kernel_size = cfg.linear_conv_kernel_dim
+
+        self.q_proj = ColumnLinear(config, hidden, key_dim)
+        self.k_proj = ColumnLinear(config, hidden, key_dim)
+        self.v_proj = ColumnLinear(config, hidden, key_dim)
+        # Depthwise causal convolutions, fp32 as HF keeps them: weight [C, 1, kernel].
+        self.q_conv1d = _depthwise_conv(key_dim, self.kernel_size)
+        self.k_conv1d = _depthwise_conv(key_dim, self.kernel_size)
+        self.v_conv1d = _depthwise_conv(key_dim, self.kernel_size)
+        self.forget_gate = ForgetGate(config)
+        self.b_proj = ColumnLinear(config, hidden, self.num_heads)
+        self.g_a_proj = ColumnLinear(config, hidden, self.head_dim)
+        self.g_b_proj = ColumnLinear(config, self.head_dim, key_dim)
+        self.o_norm = GatedRMSNorm(self.head_dim, eps=cfg.rms_norm_eps, dtype=config.params_dtype)
+        self.o_proj = RowLinear(config, key_dim, hidden)
+
+    def _short_conv(self, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+        """Causal depthwise conv + SiLU over time; x [b, s, C] -> [b, s, C] in x's dtype (computed in fp32)."""
+        s = x.shape[1]
+        y = F.conv1d(x.transpose(1, 2).to(conv.weight.dtype), conv.weight, padding=self.kernel_size - 1, groups=x.shape[-1])
+        return F.silu(y[..., :s]).to(x.dtype).transpose(1, 2)
+
+    def forward(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **_
+    ) -> tuple[torch.Tensor, None]:
+        """hidden_states [s, b, D], attention_mask [b, s] bool (True = real token) -> ([s, b, D], None)."""
+        x = hidden_states.transpose(0, 1)  # [b, s, D]
+        if attention_mask is not None:
+            x = (x * attention_mask[:, :, None]).to(x.dtype)  # padding contributes nothing to the state
+        b, s, _ = x.shape
+        heads = (b, s, self.num_heads, self.head_dim)
+
+        q = self._short_conv(self.q_conv1d, self.q_proj(x)).reshape(heads)
+        k = self._short_conv(self.k_conv1d, self.k_proj(x)).reshape(heads)
+        v = self._short_conv(self.v_conv1d, self.v_proj(x)).reshape(heads)
+        g = self.forget_gate(x)  # [b, s, H, dk] fp32
+        beta = torch.sigmoid(self.b_proj(x))  # [b, s, H]
+
+        core = kda_attention(q, k, v, g, beta)  # [b, s, H, dv]
+        gate = self.g_b_proj(self.g_a_proj(x)).reshape(heads)
+        out = self.o_proj(self.o_norm(core, gate).reshape(b, s, -1))
+        return out.transpose(0, 1), None
+
+
+def _depthwise_conv(channels: int, kernel_size: int) -> nn.Conv1d:
+    conv = nn.Conv1d(channels, channels, kernel_size, groups=channels, bias=False, dtype=torch.float32)
+    return conv

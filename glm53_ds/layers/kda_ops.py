@@ -1,0 +1,106 @@
+"""Kimi delta attention (KDA) core: the gated delta rule with per-channel decay, computed chunk by chunk.
+
+Per head, with state S [dk, dv], per-channel log-decay g_t [dk], write strength beta_t and l2-normalised q, k:
+    S_t = diag(exp(g_t)) S_{t-1} + k_t (beta_t (v_t - (diag(exp(g_t)) S_{t-1})^T k_t))^T
+    o_t = S_t^T (q_t / sqrt(dk))
+The chunked form (chunk length C) solves each chunk's intra-chunk dependencies with one unit-lower-triangular
+system (the WY representation) and carries S across chunks. Everything runs in fp32 (the state is sensitive to
+rounding); the output is cast back to the input dtype.
+
+`kda_attention` uses fla-core's Triton kernel on CUDA when `fla` is installed (`GLM53_KDA=fla|torch|auto`
+forces a path); the torch path here is the reference it is checked against.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+KDA_ENV = "GLM53_KDA"
+CHUNK_SIZE = 64
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """FLA's convention: x / sqrt(sum(x^2) + eps) (eps inside the root, unlike F.normalize)."""
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def chunk_kda_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk_size: int = CHUNK_SIZE
+) -> torch.Tensor:
+    """q, k, g `[b, s, h, dk]`, v `[b, s, h, dv]`, beta `[b, s, h]` -> o `[b, s, h, dv]` in q's dtype.
+
+    q and k are l2-normalised here (in fp32), as FLA's `use_qk_l2norm_in_kernel=True`.
+    """
+    out_dtype = q.dtype
+    # [b, s, h, d] -> [b, h, s, d], fp32
+    q, k, v, g = (t.transpose(1, 2).float() for t in (q, k, v, g))
+    beta = beta.transpose(1, 2).float()
+    q = l2_normalize(q) * q.shape[-1] ** -0.5
+    k = l2_normalize(k)
+    b, h, s, dk = k.shape
+    dv = v.shape[-1]
+
+    state = q.new_zeros(b, h, dk, dv)
+    outputs = []
+    for start in range(0, s, chunk_size):
+        end = min(start + chunk_size, s)
+        c = end - start
+        qc, kc, vc, bc = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], beta[:, :, start:end, None]
+        gc = g[:, :, start:end].cumsum(dim=-2)  # [b, h, c, dk], log decay from the chunk start
+        g_last = gc[:, :, -1:]  # [b, h, 1, dk]
+
+        causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()  # j <= i
+        strictly_lower = causal.tril(-1)  # j < i
+        # decay[i, j] = exp(G_i - G_j) for j <= i, 0 above the diagonal: [b, h, c, c, dk]
+        log_decay = (gc.unsqueeze(-2) - gc.unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf"))
+        decay = log_decay.exp()
+
+        # Intra-chunk write interactions A[i, j] = -beta_i sum_d k_i k_j decay_ij (j < i), and the WY solve
+        # (I - A) X = rhs: X = T @ rhs with T = (I - A)^-1.
+        kb = kc * bc
+        a = -(kb.unsqueeze(-2) * kc.unsqueeze(-3) * decay).sum(-1).masked_fill(~strictly_lower, 0.0)
+        eye = torch.eye(c, dtype=a.dtype, device=a.device)
+        system = eye - a
+        u = torch.linalg.solve_triangular(system, vc * bc, upper=False, unitriangular=True)  # [b, h, c, dv]
+        w = torch.linalg.solve_triangular(system, kb * gc.exp(), upper=False, unitriangular=True)  # [b, h, c, dk]
+
+        v_new = u - w @ state  # what each position writes, after the carried state's prediction
+        scores = (qc.unsqueeze(-2) * kc.unsqueeze(-3) * decay).sum(-1).masked_fill(~causal, 0.0)  # [b, h, c, c]
+        outputs.append((qc * gc.exp()) @ state + scores @ v_new)
+        state = state * g_last.exp().transpose(-1, -2) + (kc * (g_last - gc).exp()).transpose(-1, -2) @ v_new
+
+    o = torch.cat(outputs, dim=2) if outputs else v.new_zeros(b, h, 0, dv)
+    return o.transpose(1, 2).contiguous().to(out_dtype)
+
+
+def _fla_available() -> bool:
+    try:
+        from fla.ops.kda import chunk_kda  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def resolve_kda_backend(x: torch.Tensor) -> str:
+    forced = os.environ.get(KDA_ENV, "auto").strip().lower() or "auto"
+    if forced == "auto":
+        return "fla" if x.is_cuda and _fla_available() else "torch"
+    if forced not in ("fla", "torch"):
+        raise ValueError(f"{KDA_ENV}={forced!r}: expected 'fla', 'torch' or 'auto'")
+    if forced == "fla" and not (x.is_cuda and _fla_available()):
+        raise RuntimeError(f"{KDA_ENV}=fla needs CUDA tensors and the fla-core package (pip install flash-linear-attention)")
+    return forced
+
+
+def kda_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> torch.Tensor:
+    """Dispatch: fla-core's chunked KDA kernel on CUDA when installed, else the torch reference."""
+    if resolve_kda_backend(q) == "fla":
+        from fla.ops.kda import chunk_kda
+
+        out, _ = chunk_kda(q=q, k=k, v=v, g=g.float(), beta=beta, use_qk_l2norm_in_kernel=True)
+        return out.to(q.dtype)
+    return chunk_kda_torch(q, k, v, g, beta)

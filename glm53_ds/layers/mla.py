@@ -1,0 +1,98 @@
+"""NoPE multi-head latent attention with DSA sparse selection (HF `Glm5NextTextAttention`).
+
+q = q_b(RMSNorm(q_a x)) per head [qk_nope_head_dim]; the shared latent c = RMSNorm(kv_a x) [kv_lora_rank] expands
+to per-head keys and values through kv_b. No rotary embedding (qk_rope_head_dim = 0). Each query attends only
+to the token set its DSA indexer chose (or, for an `indexer_types == "shared"` layer, the set the previous full
+layer chose, passed in through the transformer block's `context`). Attention is exact masked softmax attention
+in fp32 softmax, as HF's eager path; a query whose set is empty (padding rows) averages all values as HF does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..transformer_config import Glm53TransformerConfig
+from .dsa_indexer import DsaIndexer
+from .linear import ColumnLinear, RowLinear
+from .norm import RMSNorm
+
+
+def topk_to_mask(topk_tokens: torch.Tensor, kv_length: int) -> torch.Tensor:
+    """int [b, s, W] token indices (-1 = none) -> bool [b, 1, s, kv_length] (True = may attend)."""
+    valid = (topk_tokens >= 0) & (topk_tokens < kv_length)
+    counts = torch.zeros(*topk_tokens.shape[:2], kv_length, dtype=torch.int32, device=topk_tokens.device)
+    counts.scatter_add_(-1, topk_tokens.clamp(0, kv_length - 1).long(), valid.to(torch.int32))
+    return counts.ne(0).unsqueeze(1)
+
+
+class SparseMLA(nn.Module):
+    def __init__(
+        self, config: Glm53TransformerConfig, layer_number: int = 1, pg_collection=None, layer_index: int | None = None, **_
+    ) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        cfg = config.glm
+        assert cfg is not None, "SparseMLA needs a Glm53TransformerConfig with .glm set"
+        self.layer_index = layer_number - 1 if layer_index is None else layer_index
+        self.num_heads = cfg.num_attention_heads
+        self.qk_head_dim = cfg.qk_nope_head_dim
+        self.v_head_dim = cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.scaling = self.qk_head_dim**-0.5
+        self.attention_dropout = cfg.attention_dropout
+        hidden = cfg.hidden_size
+
+        self.q_a_proj = ColumnLinear(config, hidden, cfg.q_lora_rank)
+        self.q_a_layernorm = RMSNorm(config, cfg.q_lora_rank, eps=cfg.rms_norm_eps)
+        self.q_b_proj = ColumnLinear(config, cfg.q_lora_rank, self.num_heads * self.qk_head_dim)
+        self.kv_a_proj_with_mqa = ColumnLinear(config, hidden, cfg.kv_lora_rank)
+        self.kv_a_layernorm = RMSNorm(config, cfg.kv_lora_rank, eps=cfg.rms_norm_eps)
+        self.kv_b_proj = ColumnLinear(config, cfg.kv_lora_rank, self.num_heads * (self.qk_head_dim + self.v_head_dim))
+        self.o_proj = RowLinear(config, self.num_heads * self.v_head_dim, hidden)
+
+        # Layers beyond the schedule (the MTP layer) run their own indexer.
+        i = self.layer_index
+        types = cfg.indexer_types
+        self.reuses_selection = i < len(types) and types[i] == "shared"
+        self.indexer = None if self.reuses_selection else DsaIndexer(config)
+        # HF hands a full layer's selection only to the very next layer, when that one is "shared".
+        self.passes_selection = not self.reuses_selection and i + 1 < len(types) and types[i + 1] == "shared"
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        shared_topk: torch.Tensor | None = None,
+        **_,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden_states [s, b, D], attention_mask [b, s] bool, shared_topk [b, s, W] from the previous layer.
+
+        Returns ([s, b, D], the selection to hand to the next layer or None)."""
+        x = hidden_states.transpose(0, 1)  # [b, s, D]
+        b, s, _ = x.shape
+        mask = attention_mask if attention_mask is not None else torch.ones(b, s, dtype=torch.bool, device=x.device)
+
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(b, s, self.num_heads, self.qk_head_dim).transpose(1, 2)  # [b, H, s, dq]
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))  # [b, s, r]
+        kv = self.kv_b_proj(latent).view(b, s, self.num_heads, self.qk_head_dim + self.v_head_dim).transpose(1, 2)
+        k, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)  # [b, H, s, dq], [b, H, s, dv]
+
+        if self.indexer is not None:
+            topk = self.indexer(x, q_resid, mask)
+        elif shared_topk is None:
+            raise ValueError(
+                f"layer {self.layer_index}: a 'shared' DSA layer needs the top-k selection of the previous full layer"
+            )
+        else:
+            topk = shared_topk
+
+        allowed = topk_to_mask(topk, s)  # [b, 1, s, s]
+        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, torch.finfo(q.dtype).min)
+        scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling + bias
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = F.dropout(probs, p=self.attention_dropout, training=self.training)
+        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, self.num_heads * self.v_head_dim)
+        out = self.o_proj(out)
+        return out.transpose(0, 1), (topk if self.passes_selection else None)

@@ -1,0 +1,152 @@
+"""`Glm53Model`: GLM-5.3-Flash text model on megatron-core.
+
+    input_ids [b, s] -> embedding [s, b, D] -> expand_streams [s, b, n, D] -> TransformerBlock (GLM layers)
+    -> hc_head (mean over streams) [s, b, D] -> final RMSNorm -> output layer -> logits [b, s, V] (fp32)
+    (+ MTP on the stream mean, see layers/mtp.py)
+
+`model(input_ids, attention_mask=None, labels=None)` returns logits, or the loss when labels are given
+(HF convention: labels aligned with input_ids, shifted inside; -100 ignored). With MTP the loss is
+`lm_loss + mtp_loss_weight * mean_k(mtp_loss_k)`; `model.last_losses` keeps the parts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import VocabParallelEmbedding
+from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.transformer_block import TransformerBlock
+from torch import nn
+
+from .config import Glm53Config
+from .layers.linear import ColumnLinear
+from .layers.norm import RMSNorm
+from .mhc import expand_streams, hc_head
+from .parallel import ensure_model_parallel
+from .specs import get_glm53_block_spec, get_glm53_mtp_block_spec
+from .transformer_config import Glm53TransformerConfig, make_transformer_config
+
+IGNORE_INDEX = -100
+
+
+class Glm53Model(nn.Module):
+    def __init__(self, config: Glm53TransformerConfig, mtp: bool | None = None) -> None:
+        super().__init__()
+        cfg = config.glm
+        if cfg is None:
+            raise ValueError("Glm53Model needs a Glm53TransformerConfig with .glm set")
+        self.config = config
+        self.glm = cfg
+        self.embedding = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden_size, init_method=config.init_method, config=config
+        )
+        if cfg.pad_token_id is not None and 0 <= cfg.pad_token_id < cfg.vocab_size:
+            # HF's nn.Embedding(padding_idx=...) never updates the padding row.
+            pad = cfg.pad_token_id
+            self.embedding.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([pad], device=g.device), 0.0))
+        self.decoder = TransformerBlock(config, get_glm53_block_spec(cfg), post_layer_norm=False)
+        self.final_norm = RMSNorm(config, cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.output_layer = ColumnLinear(config, cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.output_layer.weight = self.embedding.weight
+        use_mtp = cfg.num_nextn_predict_layers > 0 if mtp is None else mtp
+        self.mtp = (
+            nn.ModuleList(build_module(spec, config=config) for spec in get_glm53_mtp_block_spec(cfg).layer_specs)
+            if use_mtp
+            else None
+        )
+        self.last_losses: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        b, s = input_ids.shape
+        mask = self._check_inputs(input_ids, attention_mask, labels)
+        x = self.embedding(input_ids).transpose(0, 1)  # [b, s, D] -> [s, b, D]
+        streams = expand_streams(x, self.glm.hc_mult)  # [s, b, n, D]
+        streams = self.decoder(streams, attention_mask=mask)
+        hidden = hc_head(streams)  # [s, b, D], before the final norm (MTP reads it)
+        logits = self._logits(self.final_norm(hidden))
+        if labels is None:
+            return logits
+        lm_loss = causal_lm_loss(logits, labels, shift=1)
+        self.last_losses = {"lm_loss": lm_loss.item()}
+        if self.mtp is None:
+            return lm_loss
+        mtp_losses = self._mtp_losses(hidden, input_ids, mask, labels)
+        mtp_loss = torch.stack(mtp_losses).mean()
+        self.last_losses["mtp_loss"] = mtp_loss.item()
+        return lm_loss + self.glm.mtp_loss_weight * mtp_loss
+
+    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.output_layer(normed).float().transpose(0, 1)  # [s, b, V] -> [b, s, V]
+
+    def _mtp_losses(
+        self, hidden: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor
+    ) -> list[torch.Tensor]:
+        assert self.mtp is not None
+        losses = []
+        for depth, layer in enumerate(self.mtp, start=1):
+            next_ids, next_mask = shift_left(input_ids, mask, depth)
+            next_embedding = self.embedding(next_ids).transpose(0, 1)
+            hidden, normed = layer(hidden, next_embedding, mask & next_mask)
+            losses.append(causal_lm_loss(self._logits(normed), labels, shift=depth + 1))
+        return losses
+
+    def mtp_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Logits of each MTP depth k [b, s, V] (position t predicts token t + k + 1)."""
+        if self.mtp is None:
+            raise ValueError("this model was built without MTP")
+        mask = self._check_inputs(input_ids, attention_mask, None)
+        streams = self.decoder(expand_streams(self.embedding(input_ids).transpose(0, 1), self.glm.hc_mult), attention_mask=mask)
+        hidden = hc_head(streams)
+        out = []
+        for depth, layer in enumerate(self.mtp, start=1):
+            next_ids, next_mask = shift_left(input_ids, mask, depth)
+            hidden, normed = layer(hidden, self.embedding(next_ids).transpose(0, 1), mask & next_mask)
+            out.append(self._logits(normed))
+        return out
+
+    def _check_inputs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor | None
+    ) -> torch.Tensor:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.glm.vocab_size):
+            raise ValueError(
+                f"input_ids must lie in [0, vocab_size={self.glm.vocab_size}), got range "
+                f"[{int(input_ids.min())}, {int(input_ids.max())}]"
+            )
+        if attention_mask is None:
+            return torch.ones_like(input_ids, dtype=torch.bool)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        return attention_mask.bool()
+
+
+def shift_left(ids: torch.Tensor, mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids[:, t + k], mask[:, t + k]) with positions past the end filled by id 0 / False."""
+    shifted_ids = torch.zeros_like(ids)
+    shifted_mask = torch.zeros_like(mask)
+    if k < ids.shape[1]:
+        shifted_ids[:, :-k] = ids[:, k:]
+        shifted_mask[:, :-k] = mask[:, k:]
+    return shifted_ids, shifted_mask
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, shift: int) -> torch.Tensor:
+    """Mean cross entropy of logits[:, t] against labels[:, t + shift] over non-ignored targets (HF's for shift 1)."""
+    target = torch.full_like(labels, IGNORE_INDEX)
+    if shift < labels.shape[1]:
+        target[:, :-shift] = labels[:, shift:]
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+def build_model(config: Glm53Config | Glm53TransformerConfig, dtype: torch.dtype = torch.float32, mtp: bool | None = None, **overrides) -> Glm53Model:  # type: ignore[no-untyped-def]
+    """A randomly initialised model; sets up a world-1 process group and megatron parallel state if needed."""
+    ensure_model_parallel()
+    tconfig = config if isinstance(config, Glm53TransformerConfig) else make_transformer_config(config, dtype, **overrides)
+    return Glm53Model(tconfig, mtp=mtp)

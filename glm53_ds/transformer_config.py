@@ -1,0 +1,57 @@
+"""The megatron `TransformerConfig` for GLM-5.3, carrying the full `Glm53Config` for the GLM-specific modules.
+
+Megatron's own modules used here (dense `MLP` for the dense FFN and the shared expert, the tensor-parallel
+linears, `TransformerBlock`/`TransformerLayer`) read the standard fields; the GLM modules (KDA, DSA/MLA, MoE,
+mHC, MTP) read `config.glm`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .config import Glm53Config
+
+
+@dataclass
+class Glm53TransformerConfig(TransformerConfig):
+    glm: Glm53Config | None = None
+
+
+def make_transformer_config(cfg: Glm53Config, dtype: torch.dtype = torch.float32, **overrides: Any) -> Glm53TransformerConfig:
+    """Megatron config for `cfg`: parameters in `dtype` (HF's fp32-kept tensors stay fp32 regardless)."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    fields: dict[str, Any] = dict(
+        glm=cfg,
+        num_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_attention_heads,
+        kv_channels=cfg.v_head_dim,
+        layernorm_epsilon=cfg.rms_norm_eps,
+        normalization="RMSNorm",
+        # Clamped SwiGLU exactly as HF: gate clamped above, up clamped both sides (megatron mlp.py glu()).
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        activation_func_clamp_value=cfg.swiglu_limit,
+        bias_activation_fusion=False,
+        add_bias_linear=False,
+        bias_dropout_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=cfg.attention_dropout,
+        init_method_std=cfg.initializer_range,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+    fields.update(overrides)
+    return Glm53TransformerConfig(**fields)

@@ -1,0 +1,102 @@
+"""`Glm53TransformerLayer`: a megatron `TransformerLayer` whose residual is the mHC stream set.
+
+With hyper-connections (every decoder layer), hidden states are `[s, b, n, D]`:
+    x, post, comb = attn_hc(streams);  streams = hc_post(attention(input_layernorm(x)), streams, post, comb)
+    x, post, comb = ffn_hc(streams);   streams = hc_post(mlp(pre_mlp_layernorm(x)), streams, post, comb)
+Without them (the MTP layer) it is an ordinary pre-norm residual layer on `[s, b, D]`.
+
+The attention returns `(output, selection)`: a DSA layer's top-k token selection travels to the next layer
+through megatron's block-level `context` argument (HF's `prev_topk_indices`).
+
+Selective recompute: `recompute_granularity="selective"` with "mhc" in `recompute_modules` recomputes the mHC
+pre/post in backward instead of storing their fp32 intermediates; "mlp"/"moe" recompute the FFN. Full
+recompute is megatron's (`TransformerBlock._checkpointed_forward`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from torch.utils.checkpoint import checkpoint
+
+from .mhc import hc_post
+
+
+@dataclass
+class Glm53LayerSubmodules(TransformerLayerSubmodules):
+    attn_hc: ModuleSpec | type | None = None
+    ffn_hc: ModuleSpec | type | None = None
+
+
+class Glm53TransformerLayer(TransformerLayer):
+    def __init__(
+        self,
+        config,  # type: ignore[no-untyped-def]
+        submodules: Glm53LayerSubmodules,
+        layer_number: int = 1,
+        hidden_dropout: float | None = None,
+        pg_collection=None,  # type: ignore[no-untyped-def]
+        vp_stage: int | None = None,
+    ) -> None:
+        super().__init__(config, submodules, layer_number, hidden_dropout, pg_collection, vp_stage)
+        self.attn_hc = build_module(submodules.attn_hc) if submodules.attn_hc is not None else None
+        self.ffn_hc = build_module(submodules.ffn_hc) if submodules.ffn_hc is not None else None
+        if (self.attn_hc is None) != (self.ffn_hc is None):
+            raise ValueError("Glm53TransformerLayer needs both attn_hc and ffn_hc, or neither")
+        selective = config.recompute_granularity == "selective"
+        modules = set(config.recompute_modules or []) if selective else set()
+        self.recompute_mhc = "mhc" in modules
+        self.recompute_ffn = bool(modules & {"mlp", "moe"})
+
+    @property
+    def uses_mhc(self) -> bool:
+        return self.attn_hc is not None
+
+    def _maybe_recompute(self, enabled: bool, fn: Callable[..., Any], *args: Any) -> Any:
+        if enabled and self.training and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
+
+    def _sublayer(self, hc, norm, block, streams, **block_kwargs):  # type: ignore[no-untyped-def]
+        """One residual sub-block (attention or FFN) around `streams`; returns (new streams, block extras)."""
+        if hc is None:
+            out, extra = _split(block(norm(streams), **block_kwargs))
+            return streams + out, extra
+        collapsed, post, comb = self._maybe_recompute(self.recompute_mhc, hc, streams)
+        out, extra = _split(block(norm(collapsed), **block_kwargs))
+        return self._maybe_recompute(self.recompute_mhc, hc_post, out, streams, post, comb), extra
+
+    def forward(  # type: ignore[override]
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        context: torch.Tensor | None = None,
+        **_: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden_states [s, b, n, D] (mHC) or [s, b, D]; attention_mask [b, s] bool (True = token);
+        context: the previous DSA layer's selection. Returns (hidden_states, selection for the next layer)."""
+        streams, selection = self._sublayer(
+            self.attn_hc, self.input_layernorm, self.self_attention, hidden_states,
+            attention_mask=attention_mask, shared_topk=context,
+        )  # fmt: skip
+
+        def ffn(x: torch.Tensor) -> torch.Tensor:
+            return _split(self.mlp(x))[0]
+
+        def ffn_maybe_recomputed(x: torch.Tensor) -> torch.Tensor:
+            return self._maybe_recompute(self.recompute_ffn, ffn, x)
+
+        streams, _ = self._sublayer(self.ffn_hc, self.pre_mlp_layernorm, ffn_maybe_recomputed, streams)
+        return streams, selection
+
+
+def _split(result: Any) -> tuple[torch.Tensor, Any]:
+    """Megatron modules return (output, bias-or-extra); plain callables return the tensor."""
+    if isinstance(result, tuple):
+        return result[0], result[1]
+    return result, None
