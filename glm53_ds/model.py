@@ -43,7 +43,9 @@ class Glm53Model(nn.Module):
         if cfg.pad_token_id is not None and 0 <= cfg.pad_token_id < cfg.vocab_size:
             # HF's nn.Embedding(padding_idx=...) never updates the padding row.
             pad = cfg.pad_token_id
-            self.embedding.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([pad], device=g.device), 0.0))
+            self.embedding.weight.register_hook(
+                lambda g: g.index_fill(0, torch.tensor([pad], device=g.device), 0.0)
+            )
         self.decoder = TransformerBlock(config, get_glm53_block_spec(cfg), post_layer_norm=False)
         self.final_norm = RMSNorm(config, cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.output_layer = ColumnLinear(config, cfg.hidden_size, cfg.vocab_size)
@@ -51,7 +53,9 @@ class Glm53Model(nn.Module):
             self.output_layer.weight = self.embedding.weight
         use_mtp = cfg.num_nextn_predict_layers > 0 if mtp is None else mtp
         self.mtp = (
-            nn.ModuleList(build_module(spec, config=config) for spec in get_glm53_mtp_block_spec(cfg).layer_specs)
+            nn.ModuleList(
+                build_module(spec, config=config) for spec in get_glm53_mtp_block_spec(cfg).layer_specs
+            )
             if use_mtp
             else None
         )
@@ -59,7 +63,10 @@ class Glm53Model(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         b, s = input_ids.shape
         mask = self._check_inputs(input_ids, attention_mask, labels)
@@ -94,12 +101,16 @@ class Glm53Model(nn.Module):
             losses.append(causal_lm_loss(self._logits(normed), labels, shift=depth + 1))
         return losses
 
-    def mtp_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def mtp_logits(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         """Logits of each MTP depth k [b, s, V] (position t predicts token t + k + 1)."""
         if self.mtp is None:
             raise ValueError("this model was built without MTP")
         mask = self._check_inputs(input_ids, attention_mask, None)
-        streams = self.decoder(expand_streams(self.embedding(input_ids).transpose(0, 1), self.glm.hc_mult), attention_mask=mask)
+        streams = self.decoder(
+            expand_streams(self.embedding(input_ids).transpose(0, 1), self.glm.hc_mult), attention_mask=mask
+        )
         hidden = hc_head(streams)
         out = []
         for depth, layer in enumerate(self.mtp, start=1):
@@ -121,9 +132,13 @@ class Glm53Model(nn.Module):
         if attention_mask is None:
             return torch.ones_like(input_ids, dtype=torch.bool)
         if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+            )
         if labels is not None and labels.shape != input_ids.shape:
-            raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}"
+            )
         return attention_mask.bool()
 
 
@@ -142,11 +157,22 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, shift: int) -> to
     target = torch.full_like(labels, IGNORE_INDEX)
     if shift < labels.shape[1]:
         target[:, :-shift] = labels[:, shift:]
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX
+    )
 
 
-def build_model(config: Glm53Config | Glm53TransformerConfig, dtype: torch.dtype = torch.float32, mtp: bool | None = None, **overrides) -> Glm53Model:  # type: ignore[no-untyped-def]
+def build_model(
+    config: Glm53Config | Glm53TransformerConfig,
+    dtype: torch.dtype = torch.float32,
+    mtp: bool | None = None,
+    **overrides,
+) -> Glm53Model:  # type: ignore[no-untyped-def]
     """A randomly initialised model; sets up a world-1 process group and megatron parallel state if needed."""
     ensure_model_parallel()
-    tconfig = config if isinstance(config, Glm53TransformerConfig) else make_transformer_config(config, dtype, **overrides)
+    tconfig = (
+        config
+        if isinstance(config, Glm53TransformerConfig)
+        else make_transformer_config(config, dtype, **overrides)
+    )
     return Glm53Model(tconfig, mtp=mtp)

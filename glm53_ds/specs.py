@@ -49,7 +49,9 @@ def _hyper_connection_spec(cfg: Glm53Config) -> ModuleSpec:
 
 
 def _dense_mlp_spec() -> ModuleSpec:
-    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+    return ModuleSpec(
+        module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    )
 
 
 def get_glm53_layer_spec(config: Glm53Config | Glm53TransformerConfig, layer_number: int) -> ModuleSpec:

@@ -22,7 +22,9 @@ class Glm53TransformerConfig(TransformerConfig):
     glm: Glm53Config | None = None
 
 
-def make_transformer_config(cfg: Glm53Config, dtype: torch.dtype = torch.float32, **overrides: Any) -> Glm53TransformerConfig:
+def make_transformer_config(
+    cfg: Glm53Config, dtype: torch.dtype = torch.float32, **overrides: Any
+) -> Glm53TransformerConfig:
     """Megatron config for `cfg`: parameters in `dtype` (HF's fp32-kept tensors stay fp32 regardless)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")

@@ -44,8 +44,12 @@ class Glm53TransformerLayer(TransformerLayer):
         vp_stage: int | None = None,
     ) -> None:
         super().__init__(config, submodules, layer_number, hidden_dropout, pg_collection, vp_stage)
-        self.attn_hc = build_module(submodules.attn_hc) if submodules.attn_hc is not None else None
-        self.ffn_hc = build_module(submodules.ffn_hc) if submodules.ffn_hc is not None else None
+        # fn in the model dtype, as HF keeps it (base/scale stay fp32 inside HyperConnection)
+        hc_kwargs = dict(fn_dtype=config.params_dtype)
+        self.attn_hc = (
+            build_module(submodules.attn_hc, **hc_kwargs) if submodules.attn_hc is not None else None
+        )
+        self.ffn_hc = build_module(submodules.ffn_hc, **hc_kwargs) if submodules.ffn_hc is not None else None
         if (self.attn_hc is None) != (self.ffn_hc is None):
             raise ValueError("Glm53TransformerLayer needs both attn_hc and ffn_hc, or neither")
         selective = config.recompute_granularity == "selective"

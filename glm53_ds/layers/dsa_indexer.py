@@ -40,7 +40,9 @@ class DsaIndexer(nn.Module):
         self.wk = ColumnLinear(config, cfg.hidden_size, self.head_dim)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6, dtype=config.params_dtype)
         self.weights_proj = ColumnLinear(config, cfg.hidden_size, self.n_heads)
-        self.index_kpool_compress_ape = nn.Parameter(torch.zeros(self.kpool, self.head_dim, dtype=config.params_dtype))
+        self.index_kpool_compress_ape = nn.Parameter(
+            torch.zeros(self.kpool, self.head_dim, dtype=config.params_dtype)
+        )
         self.index_kpool_compress_gate = nn.Parameter(
             torch.ones(self.head_dim, cfg.hidden_size, dtype=config.params_dtype)
         )

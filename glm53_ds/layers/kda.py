@@ -62,7 +62,9 @@ class ForgetGate(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, config: Glm53TransformerConfig, layer_number: int = 1, pg_collection=None, **_) -> None:  # type: ignore[no-untyped-def]
+    def __init__(
+        self, config: Glm53TransformerConfig, layer_number: int = 1, pg_collection=None, **_
+    ) -> None:  # type: ignore[no-untyped-def]
         super().__init__()
         cfg = config.glm
         assert cfg is not None, "KimiDeltaAttention needs a Glm53TransformerConfig with .glm set"
@@ -90,7 +92,12 @@ class KimiDeltaAttention(nn.Module):
     def _short_conv(self, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
         """Causal depthwise conv + SiLU over time; x [b, s, C] -> [b, s, C] in x's dtype (computed in fp32)."""
         s = x.shape[1]
-        y = F.conv1d(x.transpose(1, 2).to(conv.weight.dtype), conv.weight, padding=self.kernel_size - 1, groups=x.shape[-1])
+        y = F.conv1d(
+            x.transpose(1, 2).to(conv.weight.dtype),
+            conv.weight,
+            padding=self.kernel_size - 1,
+            groups=x.shape[-1],
+        )
         return F.silu(y[..., :s]).to(x.dtype).transpose(1, 2)
 
     def forward(

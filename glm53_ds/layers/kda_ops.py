@@ -27,7 +27,12 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def chunk_kda_torch(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk_size: int = CHUNK_SIZE
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int = CHUNK_SIZE,
 ) -> torch.Tensor:
     """q, k, g `[b, s, h, dk]`, v `[b, s, h, dv]`, beta `[b, s, h]` -> o `[b, s, h, dv]` in q's dtype.
 
@@ -47,7 +52,12 @@ def chunk_kda_torch(
     for start in range(0, s, chunk_size):
         end = min(start + chunk_size, s)
         c = end - start
-        qc, kc, vc, bc = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], beta[:, :, start:end, None]
+        qc, kc, vc, bc = (
+            q[:, :, start:end],
+            k[:, :, start:end],
+            v[:, :, start:end],
+            beta[:, :, start:end, None],
+        )
         gc = g[:, :, start:end].cumsum(dim=-2)  # [b, h, c, dk], log decay from the chunk start
         g_last = gc[:, :, -1:]  # [b, h, 1, dk]
 
@@ -64,10 +74,14 @@ def chunk_kda_torch(
         eye = torch.eye(c, dtype=a.dtype, device=a.device)
         system = eye - a
         u = torch.linalg.solve_triangular(system, vc * bc, upper=False, unitriangular=True)  # [b, h, c, dv]
-        w = torch.linalg.solve_triangular(system, kb * gc.exp(), upper=False, unitriangular=True)  # [b, h, c, dk]
+        w = torch.linalg.solve_triangular(
+            system, kb * gc.exp(), upper=False, unitriangular=True
+        )  # [b, h, c, dk]
 
         v_new = u - w @ state  # what each position writes, after the carried state's prediction
-        scores = (qc.unsqueeze(-2) * kc.unsqueeze(-3) * decay).sum(-1).masked_fill(~causal, 0.0)  # [b, h, c, c]
+        scores = (
+            (qc.unsqueeze(-2) * kc.unsqueeze(-3) * decay).sum(-1).masked_fill(~causal, 0.0)
+        )  # [b, h, c, c]
         outputs.append((qc * gc.exp()) @ state + scores @ v_new)
         state = state * g_last.exp().transpose(-1, -2) + (kc * (g_last - gc).exp()).transpose(-1, -2) @ v_new
 
@@ -90,7 +104,9 @@ def resolve_kda_backend(x: torch.Tensor) -> str:
     if forced not in ("fla", "torch"):
         raise ValueError(f"{KDA_ENV}={forced!r}: expected 'fla', 'torch' or 'auto'")
     if forced == "fla" and not (x.is_cuda and _fla_available()):
-        raise RuntimeError(f"{KDA_ENV}=fla needs CUDA tensors and the fla-core package (pip install flash-linear-attention)")
+        raise RuntimeError(
+            f"{KDA_ENV}=fla needs CUDA tensors and the fla-core package (pip install flash-linear-attention)"
+        )
     return forced
 
 

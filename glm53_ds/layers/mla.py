@@ -29,7 +29,12 @@ def topk_to_mask(topk_tokens: torch.Tensor, kv_length: int) -> torch.Tensor:
 
 class SparseMLA(nn.Module):
     def __init__(
-        self, config: Glm53TransformerConfig, layer_number: int = 1, pg_collection=None, layer_index: int | None = None, **_
+        self,
+        config: Glm53TransformerConfig,
+        layer_number: int = 1,
+        pg_collection=None,
+        layer_index: int | None = None,
+        **_,
     ) -> None:  # type: ignore[no-untyped-def]
         super().__init__()
         cfg = config.glm
@@ -48,7 +53,9 @@ class SparseMLA(nn.Module):
         self.q_b_proj = ColumnLinear(config, cfg.q_lora_rank, self.num_heads * self.qk_head_dim)
         self.kv_a_proj_with_mqa = ColumnLinear(config, hidden, cfg.kv_lora_rank)
         self.kv_a_layernorm = RMSNorm(config, cfg.kv_lora_rank, eps=cfg.rms_norm_eps)
-        self.kv_b_proj = ColumnLinear(config, cfg.kv_lora_rank, self.num_heads * (self.qk_head_dim + self.v_head_dim))
+        self.kv_b_proj = ColumnLinear(
+            config, cfg.kv_lora_rank, self.num_heads * (self.qk_head_dim + self.v_head_dim)
+        )
         self.o_proj = RowLinear(config, self.num_heads * self.v_head_dim, hidden)
 
         # Layers beyond the schedule (the MTP layer) run their own indexer.
@@ -71,12 +78,22 @@ class SparseMLA(nn.Module):
         Returns ([s, b, D], the selection to hand to the next layer or None)."""
         x = hidden_states.transpose(0, 1)  # [b, s, D]
         b, s, _ = x.shape
-        mask = attention_mask if attention_mask is not None else torch.ones(b, s, dtype=torch.bool, device=x.device)
+        mask = (
+            attention_mask
+            if attention_mask is not None
+            else torch.ones(b, s, dtype=torch.bool, device=x.device)
+        )
 
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_resid).view(b, s, self.num_heads, self.qk_head_dim).transpose(1, 2)  # [b, H, s, dq]
+        q = (
+            self.q_b_proj(q_resid).view(b, s, self.num_heads, self.qk_head_dim).transpose(1, 2)
+        )  # [b, H, s, dq]
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))  # [b, s, r]
-        kv = self.kv_b_proj(latent).view(b, s, self.num_heads, self.qk_head_dim + self.v_head_dim).transpose(1, 2)
+        kv = (
+            self.kv_b_proj(latent)
+            .view(b, s, self.num_heads, self.qk_head_dim + self.v_head_dim)
+            .transpose(1, 2)
+        )
         k, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)  # [b, H, s, dq], [b, H, s, dv]
 
         if self.indexer is not None:
@@ -89,7 +106,9 @@ class SparseMLA(nn.Module):
             topk = shared_topk
 
         allowed = topk_to_mask(topk, s)  # [b, 1, s, s]
-        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, torch.finfo(q.dtype).min)
+        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(
+            ~allowed, torch.finfo(q.dtype).min
+        )
         scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling + bias
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         probs = F.dropout(probs, p=self.attention_dropout, training=self.training)

@@ -29,7 +29,9 @@ class Glm53MtpSubmodules:
 
 
 class Glm53MtpLayer(nn.Module):
-    def __init__(self, config: Glm53TransformerConfig, submodules: Glm53MtpSubmodules, depth: int = 1) -> None:
+    def __init__(
+        self, config: Glm53TransformerConfig, submodules: Glm53MtpSubmodules, depth: int = 1
+    ) -> None:
         super().__init__()
         cfg = config.glm
         assert cfg is not None and submodules.transformer_layer is not None

@@ -17,7 +17,11 @@ from ...transformer_config import Glm53TransformerConfig
 
 class GroupedExperts(nn.Module):
     def __init__(
-        self, config: Glm53TransformerConfig, num_local_experts: int | None = None, first_expert: int = 0, tp_size: int = 1
+        self,
+        config: Glm53TransformerConfig,
+        num_local_experts: int | None = None,
+        first_expert: int = 0,
+        tp_size: int = 1,
     ) -> None:
         super().__init__()
         cfg = config.glm
@@ -25,12 +29,18 @@ class GroupedExperts(nn.Module):
         self.num_local_experts = cfg.n_routed_experts if num_local_experts is None else num_local_experts
         self.first_expert = first_expert
         if cfg.moe_intermediate_size % tp_size:
-            raise ValueError(f"moe_intermediate_size ({cfg.moe_intermediate_size}) is not divisible by ETP={tp_size}")
+            raise ValueError(
+                f"moe_intermediate_size ({cfg.moe_intermediate_size}) is not divisible by ETP={tp_size}"
+            )
         self.intermediate = cfg.moe_intermediate_size // tp_size
         self.swiglu_limit = cfg.swiglu_limit
         dtype = config.params_dtype
-        self.gate_up_proj = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.intermediate, cfg.hidden_size, dtype=dtype))
-        self.down_proj = nn.Parameter(torch.empty(self.num_local_experts, cfg.hidden_size, self.intermediate, dtype=dtype))
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(self.num_local_experts, 2 * self.intermediate, cfg.hidden_size, dtype=dtype)
+        )
+        self.down_proj = nn.Parameter(
+            torch.empty(self.num_local_experts, cfg.hidden_size, self.intermediate, dtype=dtype)
+        )
         nn.init.normal_(self.gate_up_proj, mean=0.0, std=cfg.initializer_range)
         nn.init.normal_(self.down_proj, mean=0.0, std=cfg.initializer_range)
 

@@ -41,7 +41,9 @@ class TopKRouter(nn.Module):
             group_scores = biased.view(-1, self.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
             groups = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
             group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1.0).bool()
-            expert_mask = group_mask.unsqueeze(-1).expand(-1, self.n_group, per_group).reshape(-1, self.num_experts)
+            expert_mask = (
+                group_mask.unsqueeze(-1).expand(-1, self.n_group, per_group).reshape(-1, self.num_experts)
+            )
             biased = biased.masked_fill(~expert_mask, float("-inf"))
         ids = torch.topk(biased, k=self.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, ids)

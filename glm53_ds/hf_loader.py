@@ -1,0 +1,153 @@
+"""`load_hf(hf_dir)`: a released GLM-5.3 checkpoint (config.json + sharded safetensors) -> a ready Glm53Model.
+
+Tensors are read one at a time (safetensors mmap) and copied into the model's parameters through the name
+table in `convert/names.py`. Every problem is collected and reported together, naming tensors: missing ones
+(by their released names), unexpected ones, and shape mismatches (key, checkpoint shape, expected shape).
+Vision tensors (`model.visual.*`) are not part of the text model and are skipped.
+MTP: loaded when the checkpoint has the MTP layer (`layers.<num_hidden_layers>.*`); a checkpoint without it
+(e.g. a `save_pretrained` of the transformers model, which has no MTP) gives a model without MTP, unless
+`mtp=True` is asked for, which then reports the missing tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+
+from .config import Glm53Config
+from .convert.names import (
+    canonical_text_name,
+    is_mtp_shared_duplicate,
+    mtp_layer_indices,
+    released_layout,
+    split_to_released,
+)
+from .model import Glm53Model, build_model
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model; the message lists every offending tensor."""
+
+
+class SafetensorsCheckpoint:
+    """Read-only view of a directory of safetensors shards (with or without `model.safetensors.index.json`)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        index = os.path.join(directory, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+        else:
+            files = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors files in {directory!r}")
+            self.weight_map = {}
+            for name in files:
+                with safe_open(os.path.join(directory, name), framework="pt") as f:
+                    for key in f.keys():
+                        self.weight_map[key] = name
+        missing_files = sorted(
+            {f for f in self.weight_map.values() if not os.path.isfile(os.path.join(directory, f))}
+        )
+        if missing_files:
+            raise FileNotFoundError(f"{directory}: index names shard(s) that do not exist: {missing_files}")
+
+    def keys(self) -> list[str]:
+        return list(self.weight_map)
+
+    def tensors(self, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) one at a time, grouped by shard file."""
+        wanted = self.keys() if names is None else names
+        by_file: dict[str, list[str]] = {}
+        for n in wanted:
+            by_file.setdefault(self.weight_map[n], []).append(n)
+        for file, file_names in by_file.items():
+            with safe_open(os.path.join(self.directory, file), framework="pt") as f:
+                for n in file_names:
+                    yield n, f.get_tensor(n)
+
+
+def checkpoint_has_mtp(names: list[str], cfg: Glm53Config) -> bool:
+    layer_prefixes = tuple(f"layers.{i}." for i in mtp_layer_indices(cfg))
+    return any(
+        (c := canonical_text_name(n)) is not None
+        and c.split("language_model.", 1)[-1].startswith(layer_prefixes)
+        for n in names
+    )
+
+
+def load_hf_state_into(model: Glm53Model, checkpoint: SafetensorsCheckpoint, mtp: bool) -> None:
+    cfg = model.glm
+    layout = released_layout(cfg, mtp=mtp)
+    state = model.state_dict()
+    filled: dict[str, int] = {}
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    mismatched: list[str] = []
+
+    for raw_name, tensor in checkpoint.tensors():
+        name = canonical_text_name(raw_name)
+        if name is None or is_mtp_shared_duplicate(name, cfg):
+            continue
+        if not mtp and checkpoint_has_mtp([name], cfg):
+            continue  # MTP weights present but MTP not wanted
+        for released, piece in split_to_released(name, tensor, cfg):
+            placements = layout.get(released)
+            if placements is None:
+                unexpected.append(raw_name if released == name else f"{raw_name} (as {released})")
+                continue
+            if released in seen:
+                unexpected.append(f"{raw_name} (duplicate of {released})")
+                continue
+            seen.add(released)
+            for p in placements:
+                target = state[p.native][p.index] if p.index else state[p.native]
+                if tuple(piece.shape) != tuple(target.shape):
+                    mismatched.append(
+                        f"{released}: checkpoint shape {tuple(piece.shape)}, expected {tuple(target.shape)}"
+                    )
+                    continue
+                with torch.no_grad():
+                    target.copy_(piece.to(target.dtype))
+                filled[p.native] = filled.get(p.native, 0) + target.numel()
+
+    missing = [n for n in layout if n not in seen]
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)} tensor(s): {_listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {len(unexpected)} tensor(s): {_listing(unexpected)}")
+    if mismatched:
+        problems.append(f"shape mismatch for {len(mismatched)} tensor(s): {_listing(mismatched)}")
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {checkpoint.directory} does not match the model: " + "; ".join(problems)
+        )
+    incomplete = [
+        k
+        for k in state
+        if k in {p.native for ps in layout.values() for p in ps} and filled.get(k, 0) != state[k].numel()
+    ]
+    if incomplete:
+        raise CheckpointError(f"parameters not fully covered by the checkpoint: {_listing(incomplete)}")
+
+
+def load_hf(hf_dir: str, dtype: torch.dtype = torch.float32, mtp: bool | None = None) -> Glm53Model:
+    """Build the model from `hf_dir/config.json` and load its safetensors. See the module docstring for MTP."""
+    cfg = Glm53Config.from_hf(hf_dir)
+    checkpoint = SafetensorsCheckpoint(hf_dir)
+    has_mtp = cfg.num_nextn_predict_layers > 0 and checkpoint_has_mtp(checkpoint.keys(), cfg)
+    use_mtp = has_mtp if mtp is None else mtp
+    model = build_model(cfg, dtype=dtype, mtp=use_mtp)
+    load_hf_state_into(model, checkpoint, mtp=use_mtp)
+    return model
+
+
+def _listing(names: list[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")

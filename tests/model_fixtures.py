@@ -1,0 +1,148 @@
+"""Tiny GLM-5.3 checkpoints for the model tests: HF models with non-trivial random weights, saved with
+`save_pretrained` (the released layout), and helpers to compare with glm53_ds."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+from glm53_ds.convert.names import canonical_text_name, released_layout, split_to_released
+
+VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32,
+              projection_intermediate_size=32)  # fmt: skip
+
+BASE_TEXT: dict[str, Any] = dict(
+    vocab_size=96,
+    pad_token_id=0,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    index_head_dim=8,
+    index_n_heads=2,
+    linear_head_dim=8,
+    linear_num_heads=2,
+    rms_norm_eps=1e-5,
+)
+
+# KDA + DSA (full and shared indexers), dense + MoE, grouped routing, clamping active, sparse selection active
+# for sequences longer than index_topk (8).
+CONFIG_A: dict[str, Any] = dict(
+    BASE_TEXT,
+    num_hidden_layers=6,
+    layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention",
+                 "indexed_attention", "indexed_attention"],
+    indexer_types=["full", "full", "shared", "full", "full", "shared"],
+    mlp_layer_types=["dense", "dense", "sparse", "sparse", "sparse", "sparse"],
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    swiglu_limit=0.5,
+    index_topk=8,
+    index_kpool=4,
+    hc_mult=4,
+)  # fmt: skip
+
+# Softplus forget gate, 3 streams, no top-k renormalisation, two shared experts, no tail selection.
+CONFIG_B: dict[str, Any] = dict(
+    BASE_TEXT,
+    num_hidden_layers=4,
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=2,
+    norm_topk_prob=False,
+    linear_lower_bound=None,
+    index_topk=8,
+    index_kpool=2,
+    index_kpool_always_select_tail=False,
+    hc_mult=3,
+    hc_sinkhorn_iters=7,
+    rms_norm_eps=1e-3,
+    swiglu_limit=1.0,
+)
+
+
+def perturb_(model: torch.nn.Module, seed: int = 0, matrix_scale: float = 1.0) -> None:
+    """Random weights of realistic scale (HF's init leaves base=0, scale=1, bias=0, tiny activations)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if "visual" in name or not p.is_floating_point():
+                continue
+            r = torch.randn(p.shape, generator=g)
+            if name.endswith("e_score_correction_bias"):
+                p.copy_(0.05 * r.abs())
+            elif name.endswith("A_log"):
+                p.copy_(0.5 * r)
+            elif name.endswith(("hc_base", ".base")):
+                p.copy_(0.5 * r)
+            elif name.endswith(".scale"):
+                p.copy_(1 + 0.3 * r)
+            elif name.endswith("weight") and p.dim() == 1:
+                p.copy_(1 + 0.2 * r)  # norm weights
+            elif p.dim() == 1:
+                p.copy_(0.3 * r)
+            else:
+                fan_in = p.shape[-1] if p.dim() == 2 else math.prod(p.shape[1:])
+                p.copy_(matrix_scale * r / math.sqrt(fan_in))
+
+
+def save_tiny_hf(
+    path, text: dict[str, Any], seed: int = 0, matrix_scale: float = 1.0
+) -> Glm5NextForConditionalGeneration:
+    torch.manual_seed(seed)
+    model = Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=text, vision_config=VISION))
+    perturb_(model, seed, matrix_scale)
+    model.save_pretrained(path)
+    return model
+
+
+def load_hf_reference(path, dtype=torch.float32) -> Glm5NextForConditionalGeneration:
+    model = Glm5NextForConditionalGeneration.from_pretrained(path, attn_implementation="eager", dtype=dtype)
+    return model.eval()
+
+
+def batch(vocab: int, b: int = 2, s: int = 24, padding: str | None = None, seed: int = 1):
+    """input_ids, attention_mask (bool) and labels (-100 on padding) for a batch with optional padding."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.bool)
+    if padding == "left":
+        mask[0, :5] = False
+        mask[1, :2] = False
+    elif padding == "right":
+        mask[0, -6:] = False
+        mask[1, -1:] = False
+    ids = ids.masked_fill(~mask, 0)
+    labels = ids.masked_fill(~mask, -100)
+    return ids, mask, labels
+
+
+def hf_grads_by_native(hf_model, cfg, mtp: bool = False) -> dict[str, list[tuple[tuple, torch.Tensor]]]:
+    """HF parameter gradients regrouped onto glm53_ds native keys: native -> [(index, grad piece)]."""
+    layout = released_layout(cfg, mtp=mtp)
+    out: dict[str, list[tuple[tuple, torch.Tensor]]] = {}
+    for name, p in hf_model.named_parameters():
+        text_name = canonical_text_name(name)
+        if text_name is None or p.grad is None:
+            continue
+        for released, piece in split_to_released(text_name, p.grad, cfg):
+            for placement in layout[released]:
+                out.setdefault(placement.native, []).append((placement.index, piece))
+    return out
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
