@@ -94,7 +94,7 @@ def test_sparse_selection_is_active(pair):
     _, _, ours = pair
     cfg = ours.glm
     ids, mask, _ = batch(cfg.vocab_size, s=30)
-    layer = next(l for l in ours.decoder.layers if l.self_attention.__class__.__name__ == "SparseMLA")
+    layer = next(ly for ly in ours.decoder.layers if ly.self_attention.__class__.__name__ == "SparseMLA")
     x = ours.embedding(ids).transpose(0, 1)
     q_resid = layer.self_attention.q_a_layernorm(layer.self_attention.q_a_proj(x.transpose(0, 1)))
     topk = layer.self_attention.indexer(x.transpose(0, 1), q_resid, mask)
