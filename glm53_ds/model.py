@@ -167,7 +167,7 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     mtp: bool | None = None,
     **overrides,
-) -> Glm53Model:  # type: ignore[no-untyped-def]
+) -> Glm53Model:
     """A randomly initialised model; sets up a world-1 process group and megatron parallel state if needed."""
     ensure_model_parallel()
     tconfig = (

@@ -20,6 +20,9 @@ from .config import Glm53Config
 @dataclass
 class Glm53TransformerConfig(TransformerConfig):
     glm: Glm53Config | None = None
+    # Selective recompute of the mHC pre/post (megatron validates recompute_modules against its own list,
+    # so "mhc" is carried here; make_transformer_config accepts it inside recompute_modules).
+    recompute_mhc: bool = False
 
 
 def make_transformer_config(
@@ -55,5 +58,13 @@ def make_transformer_config(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
     )
+    modules = list(overrides.pop("recompute_modules", None) or [])
+    if "mhc" in modules:
+        modules.remove("mhc")
+        fields["recompute_mhc"] = True
+    if modules:
+        fields["recompute_modules"] = modules
+    elif fields.get("recompute_mhc"):
+        fields["recompute_modules"] = []
     fields.update(overrides)
     return Glm53TransformerConfig(**fields)

@@ -8,9 +8,10 @@ Without them (the MTP layer) it is an ordinary pre-norm residual layer on `[s, b
 The attention returns `(output, selection)`: a DSA layer's top-k token selection travels to the next layer
 through megatron's block-level `context` argument (HF's `prev_topk_indices`).
 
-Selective recompute: `recompute_granularity="selective"` with "mhc" in `recompute_modules` recomputes the mHC
-pre/post in backward instead of storing their fp32 intermediates; "mlp"/"moe" recompute the FFN. Full
-recompute is megatron's (`TransformerBlock._checkpointed_forward`).
+Selective recompute: `recompute_granularity="selective"` with "mhc" in `recompute_modules` (carried as
+`config.recompute_mhc`) recomputes the mHC pre/post in backward instead of storing their fp32 intermediates;
+"mlp"/"moe" recompute the FFN. Other megatron module names are accepted and have no effect on GLM layers.
+Full recompute is megatron's (`TransformerBlock._checkpointed_forward`).
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ class Glm53LayerSubmodules(TransformerLayerSubmodules):
 class Glm53TransformerLayer(TransformerLayer):
     def __init__(
         self,
-        config,  # type: ignore[no-untyped-def]
+        config,
         submodules: Glm53LayerSubmodules,
         layer_number: int = 1,
         hidden_dropout: float | None = None,
-        pg_collection=None,  # type: ignore[no-untyped-def]
+        pg_collection=None,
         vp_stage: int | None = None,
     ) -> None:
         super().__init__(config, submodules, layer_number, hidden_dropout, pg_collection, vp_stage)
@@ -54,7 +55,7 @@ class Glm53TransformerLayer(TransformerLayer):
             raise ValueError("Glm53TransformerLayer needs both attn_hc and ffn_hc, or neither")
         selective = config.recompute_granularity == "selective"
         modules = set(config.recompute_modules or []) if selective else set()
-        self.recompute_mhc = "mhc" in modules
+        self.recompute_mhc = selective and bool(getattr(config, "recompute_mhc", False))
         self.recompute_ffn = bool(modules & {"mlp", "moe"})
 
     @property
@@ -66,7 +67,7 @@ class Glm53TransformerLayer(TransformerLayer):
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
 
-    def _sublayer(self, hc, norm, block, streams, **block_kwargs):  # type: ignore[no-untyped-def]
+    def _sublayer(self, hc, norm, block, streams, **block_kwargs):
         """One residual sub-block (attention or FFN) around `streams`; returns (new streams, block extras)."""
         if hc is None:
             out, extra = _split(block(norm(streams), **block_kwargs))
@@ -75,7 +76,7 @@ class Glm53TransformerLayer(TransformerLayer):
         out, extra = _split(block(norm(collapsed), **block_kwargs))
         return self._maybe_recompute(self.recompute_mhc, hc_post, out, streams, post, comb), extra
 
-    def forward(  # type: ignore[override]
+    def forward(
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,

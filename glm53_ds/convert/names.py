@@ -194,3 +194,13 @@ def split_to_released(name: str, tensor: torch.Tensor, cfg: Glm53Config) -> list
         base = name[: -len("down_proj")]
         return [(f"{base}{e}.down_proj.weight", tensor[e]) for e in range(tensor.shape[0])]
     return [(name, tensor)]
+
+
+def released_tensors(
+    state: dict[str, torch.Tensor], cfg: Glm53Config, mtp: bool, names: list[str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(released name, tensor) read out of a native state dict, in checkpoint order (or for `names` only)."""
+    layout = released_layout(cfg, mtp=mtp)
+    for name in layout if names is None else names:
+        pieces = [state[p.native][p.index] if p.index else state[p.native] for p in layout[name]]
+        yield name, pieces[0] if len(pieces) == 1 else torch.cat(pieces)

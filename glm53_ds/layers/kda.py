@@ -13,6 +13,7 @@ g = L * sigmoid(A * f) (in [L, 0]); without it: g = -A * softplus(f) (softplus t
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -63,8 +64,8 @@ class ForgetGate(nn.Module):
 
 class KimiDeltaAttention(nn.Module):
     def __init__(
-        self, config: Glm53TransformerConfig, layer_number: int = 1, pg_collection=None, **_
-    ) -> None:  # type: ignore[no-untyped-def]
+        self, config: Glm53TransformerConfig, layer_number: int = 1, pg_collection: Any = None, **unused: Any
+    ) -> None:
         super().__init__()
         cfg = config.glm
         assert cfg is not None, "KimiDeltaAttention needs a Glm53TransformerConfig with .glm set"
@@ -101,7 +102,7 @@ class KimiDeltaAttention(nn.Module):
         return F.silu(y[..., :s]).to(x.dtype).transpose(1, 2)
 
     def forward(
-        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **_
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **unused: Any
     ) -> tuple[torch.Tensor, None]:
         """hidden_states [s, b, D], attention_mask [b, s] bool (True = real token) -> ([s, b, D], None)."""
         x = hidden_states.transpose(0, 1)  # [b, s, D]

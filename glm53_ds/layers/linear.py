@@ -19,7 +19,7 @@ class ColumnLinear(ColumnParallelLinear):
             bias=False, gather_output=False, skip_bias_add=True,
         )  # fmt: skip
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x)[0]
 
 
@@ -30,5 +30,5 @@ class RowLinear(RowParallelLinear):
             bias=False, input_is_parallel=True, skip_bias_add=True,
         )  # fmt: skip
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x)[0]

@@ -9,6 +9,8 @@ in fp32 softmax, as HF's eager path; a query whose set is empty (padding rows) a
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,10 +34,10 @@ class SparseMLA(nn.Module):
         self,
         config: Glm53TransformerConfig,
         layer_number: int = 1,
-        pg_collection=None,
+        pg_collection: Any = None,
         layer_index: int | None = None,
-        **_,
-    ) -> None:  # type: ignore[no-untyped-def]
+        **unused: Any,
+    ) -> None:
         super().__init__()
         cfg = config.glm
         assert cfg is not None, "SparseMLA needs a Glm53TransformerConfig with .glm set"
@@ -71,7 +73,7 @@ class SparseMLA(nn.Module):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         shared_topk: torch.Tensor | None = None,
-        **_,
+        **unused: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states [s, b, D], attention_mask [b, s] bool, shared_topk [b, s, W] from the previous layer.
 

@@ -12,7 +12,7 @@ from torch import nn
 class RMSNorm(nn.Module):
     def __init__(
         self, config=None, hidden_size: int = 0, eps: float = 1e-6, dtype: torch.dtype | None = None
-    ) -> None:  # type: ignore[no-untyped-def]
+    ) -> None:
         super().__init__()
         if hidden_size <= 0:
             raise ValueError(f"RMSNorm needs hidden_size > 0, got {hidden_size}")

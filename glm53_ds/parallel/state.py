@@ -10,8 +10,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from .. import compat
+
 
 def ensure_model_parallel() -> None:
+    compat.apply()
     if not dist.is_initialized():
         # A HashStore needs no network and no free port: right for one process.
         backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -15,7 +16,7 @@ from .router import TopKRouter
 
 
 class Glm53MoE(nn.Module):
-    def __init__(self, config: Glm53TransformerConfig, **_) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, config: Glm53TransformerConfig, **unused: Any) -> None:
         super().__init__()
         cfg = config.glm
         assert cfg is not None

@@ -16,6 +16,8 @@ from ...transformer_config import Glm53TransformerConfig
 
 
 class TopKRouter(nn.Module):
+    e_score_correction_bias: torch.Tensor
+
     def __init__(self, config: Glm53TransformerConfig) -> None:
         super().__init__()
         cfg = config.glm

@@ -1,0 +1,108 @@
+"""Activation recompute keeps numerics identical (and really recomputes); the public spec functions build
+layers inside plain megatron-core code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.transformer_block import TransformerBlock
+
+import glm53_ds
+from glm53_ds.config import Glm53Config
+from glm53_ds.layers.kda import KimiDeltaAttention
+from glm53_ds.layers.mla import SparseMLA
+from glm53_ds.layers.moe import Glm53MoE
+from glm53_ds.mhc import expand_streams
+from glm53_ds.specs import get_glm53_block_spec, get_glm53_layer_spec, get_glm53_mtp_block_spec
+from glm53_ds.transformer_config import make_transformer_config
+from glm53_ds.transformer_layer import Glm53TransformerLayer
+from tests.model_fixtures import CONFIG_A
+
+CFG = Glm53Config.from_text_dict(CONFIG_A)
+RECOMPUTE = {
+    "full-uniform": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "full-block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=3),
+    "selective-mhc-mlp": dict(recompute_granularity="selective", recompute_modules=["mhc", "mlp", "moe"]),
+    "selective-mhc": dict(recompute_granularity="selective", recompute_modules=["mhc"]),
+}
+
+
+def _loss_and_grads(model, counters):
+    model.train()
+    ids = torch.randint(1, CFG.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[0, :3] = False
+    counters.clear()
+    loss = model(ids, attention_mask=mask, labels=ids.masked_fill(~mask, -100))
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def _count_calls(model, counters):
+    layer = model.decoder.layers[3]
+    for name, module in (("attention", layer.self_attention), ("attn_hc", layer.attn_hc), ("mlp", layer.mlp)):
+        module.register_forward_pre_hook(lambda *_, n=name: counters.__setitem__(n, counters.get(n, 0) + 1))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    torch.manual_seed(0)
+    model = glm53_ds.build_model(CFG, mtp=True)
+    counters: dict[str, int] = {}
+    _count_calls(model, counters)
+    loss, grads = _loss_and_grads(model, counters)
+    assert counters == {"attention": 1, "attn_hc": 1, "mlp": 1}
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    return state, loss, grads
+
+
+@pytest.mark.parametrize("mode", sorted(RECOMPUTE))
+def test_recompute_is_bitwise_identical_and_recomputes(reference, mode):
+    state, ref_loss, ref_grads = reference
+    model = glm53_ds.build_model(CFG, mtp=True, **RECOMPUTE[mode])
+    model.load_state_dict(state, strict=False)
+    counters: dict[str, int] = {}
+    _count_calls(model, counters)
+    loss, grads = _loss_and_grads(model, counters)
+    assert torch.equal(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for n in grads:
+        assert torch.equal(grads[n], ref_grads[n]), n
+    expected = {
+        "full-uniform": {"attention": 2, "attn_hc": 2, "mlp": 2},
+        "full-block": {"attention": 1, "attn_hc": 1, "mlp": 1},  # layer 3 is outside the first 3 recomputed
+        "selective-mhc-mlp": {"attention": 1, "attn_hc": 2, "mlp": 2},
+        "selective-mhc": {"attention": 1, "attn_hc": 2, "mlp": 1},
+    }[mode]
+    assert counters == expected
+
+
+def test_layer_specs_choose_modules_by_schedule():
+    for number in range(1, CFG.num_hidden_layers + 1):
+        spec = get_glm53_layer_spec(CFG, number)
+        sub = spec.submodules
+        assert spec.module is Glm53TransformerLayer
+        linear = CFG.layer_types[number - 1] == "linear_attention"
+        assert sub.self_attention.module is (KimiDeltaAttention if linear else SparseMLA)
+        assert (sub.mlp is Glm53MoE) == (CFG.mlp_layer_types[number - 1] == "sparse")
+        assert sub.attn_hc.params["norm_eps"] == sub.ffn_hc.params["norm_eps"] == CFG.rms_norm_eps
+    mtp = get_glm53_layer_spec(CFG, CFG.num_hidden_layers + 1).submodules
+    assert mtp.attn_hc is None and mtp.ffn_hc is None and mtp.mlp is Glm53MoE
+    assert len(get_glm53_mtp_block_spec(CFG).layer_specs) == 1
+    with pytest.raises(ValueError, match="layer_number 0 is outside"):
+        get_glm53_layer_spec(CFG, 0)
+
+
+def test_block_spec_in_plain_megatron_block():
+    """A user's own megatron code: TransformerBlock from the exported spec, streams in and out."""
+    glm53_ds.build_model(CFG)  # sets up parallel state
+    config = make_transformer_config(CFG)
+    block = TransformerBlock(config, get_glm53_block_spec(CFG), post_layer_norm=False)
+    assert len(block.layers) == CFG.num_hidden_layers
+    x = expand_streams(torch.randn(12, 2, CFG.hidden_size), CFG.hc_mult)  # [s, b, n, h]
+    out = block(x, attention_mask=torch.ones(2, 12, dtype=torch.bool))
+    assert out.shape == x.shape
+    layer = build_module(get_glm53_layer_spec(config, 1), config=config, layer_number=1)
+    assert isinstance(layer, Glm53TransformerLayer) and layer.uses_mhc
