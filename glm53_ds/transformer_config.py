@@ -57,6 +57,12 @@ def make_transformer_config(
         perform_initialization=True,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        # MoE sizes in megatron's fields (megatron validates expert parallelism against them); the GLM MoE
+        # itself reads config.glm.
+        num_moe_experts=cfg.n_routed_experts,
+        moe_ffn_hidden_size=cfg.moe_intermediate_size,
+        moe_router_topk=cfg.num_experts_per_tok,
+        moe_shared_expert_intermediate_size=cfg.moe_intermediate_size * cfg.n_shared_experts or None,
     )
     modules = list(overrides.pop("recompute_modules", None) or [])
     if "mhc" in modules:

@@ -6,6 +6,7 @@ import copy
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from torch import nn
@@ -21,7 +22,25 @@ class Glm53MoE(nn.Module):
         cfg = config.glm
         assert cfg is not None
         self.router = TopKRouter(config)
-        self.experts = GroupedExperts(config)
+        # Expert parallelism comes from megatron's standard config fields and parallel_state groups.
+        ep = config.expert_model_parallel_size
+        etp = config.expert_tensor_parallel_size or 1
+        if cfg.n_routed_experts % ep:
+            raise ValueError(f"n_routed_experts ({cfg.n_routed_experts}) is not divisible by EP={ep}")
+        local = cfg.n_routed_experts // ep
+        ep_rank = parallel_state.get_expert_model_parallel_rank() if ep > 1 else 0
+        self.experts = GroupedExperts(
+            config, num_local_experts=local, first_expert=ep_rank * local, tp_size=etp
+        )
+        self.dispatch = None
+        if ep * etp > 1:
+            from ...parallel.moe_dispatch import ExpertParallelDispatch
+
+            self.dispatch = ExpertParallelDispatch(
+                cfg.n_routed_experts,
+                parallel_state.get_expert_model_parallel_group(),
+                parallel_state.get_expert_tensor_parallel_group(),
+            )
         self.shared_experts: MLP | None = None
         if cfg.n_shared_experts > 0:
             # megatron's MLP sizes linear_fc2 from config.ffn_hidden_size, so give it a config of its own
@@ -33,8 +52,12 @@ class Glm53MoE(nn.Module):
                 MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
                 ffn_hidden_size=shared_config.ffn_hidden_size,
             )
-        # Per-expert token counts of the last forward (this rank's tokens), for load balancing and logging.
+        # Per-expert token counts of this rank's tokens, accumulated over training forwards until the load
+        # balancer consumes them (parallel/router_balance.py); `last_expert_load` is the latest forward's.
         self.last_expert_load: torch.Tensor | None = None
+        self.register_buffer(
+            "expert_load", torch.zeros(cfg.n_routed_experts, dtype=torch.float32), persistent=False
+        )
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
         """hidden_states [s, b, D] -> ([s, b, D], None)."""
@@ -42,7 +65,13 @@ class Glm53MoE(nn.Module):
         _, weights, expert_ids = self.router(tokens)
         with torch.no_grad():
             self.last_expert_load = torch.bincount(expert_ids.flatten(), minlength=self.router.num_experts)
-        out = self.experts(tokens, expert_ids, weights).view_as(hidden_states)
+            if self.training:
+                self.expert_load += self.last_expert_load
+        if self.dispatch is None:
+            routed = self.experts(tokens, expert_ids, weights)
+        else:
+            routed = self.dispatch(self.experts, tokens, expert_ids, weights)
+        out = routed.view_as(hidden_states)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden_states)[0]
         return out, None

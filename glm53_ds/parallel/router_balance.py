@@ -1,0 +1,35 @@
+"""Aux-loss-free load balancing: update `e_score_correction_bias` from expert loads after each optimizer step.
+
+DeepSeek-V3's rule: bias_e += rate * sign(mean_load - load_e), with loads counted over every token of the
+global batch: each MoE layer's per-rank counts (accumulated over the micro-batches of the step) are
+all-reduced over the world, so the bias stays identical on every rank. `rate = 0` turns it off.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+DEFAULT_RATE = 1e-3
+
+
+@torch.no_grad()
+def update_router_bias(model: nn.Module, rate: float = DEFAULT_RATE) -> dict[str, float]:
+    """Apply the update to every MoE layer and reset its load counts; returns max/mean load per layer."""
+    from ..layers.moe import Glm53MoE
+
+    stats: dict[str, float] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, Glm53MoE):
+            continue
+        load = module.expert_load.clone()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(load)
+        mean = load.mean()
+        if rate and mean > 0:
+            bias = module.router.e_score_correction_bias
+            bias += rate * torch.sign(mean - load).to(bias.dtype)
+        stats[name] = (load.max() / mean).item() if mean > 0 else 0.0
+        module.expert_load.zero_()
+    return stats
