@@ -27,7 +27,9 @@ def shard_down(full: torch.Tensor, ep: int, ep_rank: int, etp: int, etp_rank: in
     return full[ep_rank * local : (ep_rank + 1) * local, :, etp_rank * part : (etp_rank + 1) * part]
 
 
-def shard_state_dict(full: dict[str, torch.Tensor], ep: int, ep_rank: int, etp: int, etp_rank: int) -> dict[str, torch.Tensor]:
+def shard_state_dict(
+    full: dict[str, torch.Tensor], ep: int, ep_rank: int, etp: int, etp_rank: int
+) -> dict[str, torch.Tensor]:
     """A full native state dict -> this rank's (expert tensors sliced, everything else as is)."""
     out = {}
     for name, t in full.items():

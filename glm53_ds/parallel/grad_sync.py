@@ -41,10 +41,49 @@ def _pre_average(tensors: Iterable[torch.Tensor], group: dist.ProcessGroup, size
         t.div_(size)
 
 
+def _install_norm_fixes(engine: Any) -> None:
+    """Clipping must use the norm of the global-batch gradient.
+
+    - stage 0 with a plain optimizer: DeepSpeed's `clip_grad_norm_` averages per-rank norms over its data-parallel
+      group, which is not the global norm once experts are split over EP ranks; it is replaced by
+      `grad_norm.clip_grad_norm` (replicated parameters once, expert shards summed over EP x ETP).
+    - BF16_Optimizer: on ETP ranks other than 0 it has no replicated gradient to count and stacks an empty list;
+      a zero placeholder keeps its (otherwise correct) computation going.
+    ZeRO-1/2 compute the global norm correctly once expert shards carry `tensor_model_parallel`
+    (deepspeed_setup.prepare_model_for_deepspeed); tests/test_expert_parallel.py checks every mode.
+    """
+    from .grad_norm import clip_grad_norm
+
+    optimizer = engine.optimizer
+    if not hasattr(optimizer, "get_grads_for_norm") and not hasattr(
+        optimizer, "reduce_independent_p_g_buckets_and_remove_grads"
+    ):
+        if not (engine.fp16_enabled() or engine.bfloat16_enabled()):
+
+            def clip_fp32_gradients() -> None:
+                engine._global_grad_norm = clip_grad_norm(engine.module, engine.gradient_clipping())
+
+            engine.clip_fp32_gradients = clip_fp32_gradients
+    if hasattr(optimizer, "get_grads_for_norm"):
+        original = optimizer.get_grads_for_norm
+
+        def get_grads_for_norm(for_clipping: bool = False) -> Any:
+            result = original(for_clipping=for_clipping)
+            if not for_clipping and isinstance(result, tuple) and not result[0]:
+                device = next(engine.module.parameters()).device
+                result[0].append(torch.zeros(1, dtype=torch.float32, device=device))
+            return result
+
+        optimizer.get_grads_for_norm = get_grads_for_norm
+
+
 def install_gradient_sync(engine: Any, layout: ParallelLayout) -> bool:
-    """Install on a DeepSpeed engine; returns True when installed (False: DeepSpeed's group is complete)."""
+    """Install on a DeepSpeed engine; returns True when the ETP pre-averaging was needed.
+
+    The clipping-norm fixes are installed in every layout."""
     if getattr(engine, "glm53_grad_sync", None) is not None:
         raise RuntimeError("the gradient-sync patch is already installed on this engine")
+    _install_norm_fixes(engine)
     if layout.etp == 1:
         engine.glm53_grad_sync = "not needed"
         return False

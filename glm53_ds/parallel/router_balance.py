@@ -15,8 +15,10 @@ DEFAULT_RATE = 1e-3
 
 
 @torch.no_grad()
-def update_router_bias(model: nn.Module, rate: float = DEFAULT_RATE) -> dict[str, float]:
-    """Apply the update to every MoE layer and reset its load counts; returns max/mean load per layer."""
+def update_router_bias(model: nn.Module, rate: float = DEFAULT_RATE, reduce: bool = True) -> dict[str, float]:
+    """Apply the update to every MoE layer and reset its load counts; returns max/mean load per layer.
+
+    `reduce=False` uses this process's counts alone (a single-process model in a multi-rank job)."""
     from ..layers.moe import Glm53MoE
 
     stats: dict[str, float] = {}
@@ -24,7 +26,7 @@ def update_router_bias(model: nn.Module, rate: float = DEFAULT_RATE) -> dict[str
         if not isinstance(module, Glm53MoE):
             continue
         load = module.expert_load.clone()
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if reduce and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(load)
         mean = load.mean()
         if rate and mean > 0:

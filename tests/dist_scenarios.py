@@ -1,0 +1,253 @@
+"""Scenarios run on every rank by tests/dist_harness.py (one process per rank, gloo, DeepSpeed on CPU).
+
+Every rank also builds the single-process reference (all experts, EP = ETP = 1) from the same checkpoint and
+runs it on the concatenated global batch, so each rank can compare its own shard against the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+BATCH = 2  # sequences per rank per micro-batch
+SEQ = 24
+
+
+def _setup(ep: int, etp: int):  # type: ignore[no-untyped-def]
+    import deepspeed
+
+    from glm53_ds.parallel.initialize import initialize
+
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    return initialize(ep, etp)
+
+
+def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+
+
+def _models(ckpt: str, layout, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    import glm53_ds
+    from glm53_ds.model import Glm53Model
+    from glm53_ds.parallel.expert_sharding import shard_state_dict
+    from glm53_ds.transformer_config import make_transformer_config
+
+    ref = glm53_ds.load_hf(ckpt)
+    config = make_transformer_config(
+        ref.glm, dtype=dtype, expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp
+    )
+    model = Glm53Model(config, mtp=False)
+    shard = shard_state_dict(_full_state(ref), layout.ep, layout.ep_rank, layout.etp, layout.etp_rank)
+    model.load_state_dict({k: v.to(model.state_dict()[k].dtype) for k, v in shard.items()}, strict=False)
+    return ref, model
+
+
+def _batch(vocab: int, world: int, seed: int, micro: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (micro, world * BATCH, SEQ), generator=g)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _local(ids: torch.Tensor, rank: int) -> torch.Tensor:
+    return ids[rank * BATCH : (rank + 1) * BATCH]
+
+
+def _compare_to_reference(
+    model, ref, layout, use_grad: bool, worst_names: dict | None = None
+) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Max relative error of this rank's params (or grads) vs the reference, split expert / non-expert."""
+    from glm53_ds.parallel.expert_sharding import shard_down, shard_gate_up
+
+    ref_params = dict(ref.named_parameters())
+    worst = {"expert": 0.0, "non_expert": 0.0}
+    for name, p in model.named_parameters():
+        r = ref_params[name]
+        mine, theirs = (p.grad, r.grad) if use_grad else (p.detach(), r.detach())
+        if theirs is None:  # indexer parameters have no gradient (HF's no_grad indexer)
+            continue
+        if name.endswith("experts.gate_up_proj"):
+            theirs = shard_gate_up(theirs, layout.ep, layout.ep_rank, layout.etp, layout.etp_rank)
+        elif name.endswith("experts.down_proj"):
+            theirs = shard_down(theirs, layout.ep, layout.ep_rank, layout.etp, layout.etp_rank)
+        kind = "expert" if name.endswith(("gate_up_proj", "down_proj")) else "non_expert"
+        err = _rel(mine.float(), theirs.float())
+        if worst_names is not None and err > worst[kind]:
+            worst_names[kind] = name
+        worst[kind] = max(worst[kind], err)
+        abs_key = f"{kind}_abs"
+        worst[abs_key] = max(worst.get(abs_key, 0.0), (mine.float() - theirs.float()).abs().max().item())
+    return worst
+
+
+def _engine(model, layout, stage: int, dtype: torch.dtype, optimizer: str, lr: float, patch: bool,
+            gas: int = 1, overlap_comm: bool = False, clip: float = 0.0, bf16_optimizer: bool = False):  # type: ignore[no-untyped-def]  # fmt: skip
+    import deepspeed
+
+    from glm53_ds.parallel.deepspeed_setup import optimizer_param_groups, prepare_model_for_deepspeed
+    from glm53_ds.parallel.grad_sync import install_gradient_sync
+    from glm53_ds.parallel.initialize import DeepSpeedMpu
+
+    prepare_model_for_deepspeed(model, layout)
+    groups = optimizer_param_groups(model)
+    opt = (
+        torch.optim.SGD(groups, lr=lr)
+        if optimizer == "sgd"
+        else torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    )
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": gas,
+        "zero_optimization": {
+            "stage": stage,
+            "contiguous_gradients": True,
+            "overlap_comm": overlap_comm,
+            "reduce_bucket_size": 5e7,
+            "allgather_bucket_size": 5e7,
+        },  # fmt: skip
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": clip,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "steps_per_print": 10**9,
+    }
+    if bf16_optimizer:
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=opt, config=config, mpu=DeepSpeedMpu(layout)
+    )
+    if patch:
+        install_gradient_sync(engine, layout)
+    return engine
+
+
+def forward_and_gradients(ckpt: str, ep: int, etp: int) -> dict[str, Any]:
+    """Forward equality, then stage-0 fp32 reduced gradients with and without the patch."""
+    from glm53_ds.parallel.grad_norm import global_grad_norm
+
+    layout = _setup(ep, etp)
+    rank, world = layout.rank, layout.world_size
+    out: dict[str, Any] = {"layout": layout.describe()}
+    ref, _ = _models(ckpt, layout, torch.float32)
+    ids = _batch(ref.glm.vocab_size, world, seed=5)[0]
+    ref.train()
+    ref_loss = ref(ids, labels=ids)
+    ref_loss.backward()
+    with torch.no_grad():
+        ref_logits = ref(ids)
+    ref_norm = torch.sqrt(
+        sum(p.grad.double().square().sum() for p in ref.parameters() if p.grad is not None)
+    ).item()
+
+    expert_grads = {}
+    for patch in (True, False):
+        _, model = _models(ckpt, layout, torch.float32)
+        with torch.no_grad():
+            out["logits_rel_err"] = _rel(model(_local(ids, rank)), _local(ref_logits, rank))
+        engine = _engine(
+            model, layout, stage=0, dtype=torch.float32, optimizer="sgd", lr=0.0, patch=patch, clip=1e9
+        )
+        loss = engine(_local(ids, rank), labels=_local(ids, rank))
+        engine.backward(loss)
+        key = "patched" if patch else "unpatched"
+        out[f"grad_err_{key}"] = _compare_to_reference(model, ref, layout, use_grad=True)
+        expert_grads[key] = [
+            p.grad.clone() for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))
+        ]
+        out[f"grad_norm_{key}"] = global_grad_norm(model).item()
+        if patch:
+            from deepspeed.runtime.utils import clip_grad_norm_
+
+            out["deepspeed_stage0_clip_norm"] = float(
+                clip_grad_norm_(list(model.parameters()), 1e9, mpu=engine.mpu)
+            )
+    out["ref_grad_norm"] = ref_norm
+    out["expert_grads_unchanged_by_patch"] = all(
+        torch.equal(a, b) for a, b in zip(expert_grads["patched"], expert_grads["unpatched"], strict=True)
+    )
+    return out
+
+
+def training_steps(ckpt: str, ep: int, etp: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Two optimizer steps per case on different global batches; replica identity and reference distance."""
+    from glm53_ds.parallel.replicas import ReplicaMismatch, check_replicas
+    from glm53_ds.parallel.router_balance import update_router_bias
+
+    layout = _setup(ep, etp)
+    rank, world = layout.rank, layout.world_size
+    results = []
+    for case in cases:
+        dtype = torch.bfloat16 if case.get("dtype") == "bf16" else torch.float32
+        gas, lr, rate = case.get("gas", 1), case.get("lr", 0.05), case.get("router_rate", 1e-3)
+        ref, model = _models(case.get("ckpt", ckpt), layout, dtype)
+        engine = _engine(model, layout, case["stage"], dtype, case["optimizer"], lr, case["patch"], gas=gas,
+                         overlap_comm=case.get("overlap_comm", False), bf16_optimizer=case.get("bf16_optimizer", False),
+                         clip=1e9)  # fmt: skip
+        norms, ref_norms = [], []
+        groups = [{"params": list(ref.parameters())}]
+        ref_opt = (
+            torch.optim.SGD(groups, lr=lr)
+            if case["optimizer"] == "sgd"
+            else torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+        )
+        ref.train()
+        initial = {n: p.detach().float().clone() for n, p in ref.named_parameters()}
+        for step in range(2):
+            ids = _batch(ref.glm.vocab_size, world, seed=100 + step, micro=gas)
+            for micro in range(gas):
+                x = _local(ids[micro], rank)
+                engine.backward(engine(x, labels=x))
+                engine.step()
+            norm = (
+                engine.get_global_grad_norm()
+            )  # None where DeepSpeed does not record it (unpatched stage 0)
+            norms.append(None if norm is None else float(norm))
+            ref_opt.zero_grad()
+            (ref(ids.flatten(0, 1), labels=ids.flatten(0, 1))).backward()
+            ref_norms.append(
+                torch.sqrt(
+                    sum(p.grad.double().square().sum() for p in ref.parameters() if p.grad is not None)
+                ).item()
+            )
+            ref_opt.step()
+            update_router_bias(engine.module, rate=rate)
+            update_router_bias(ref, rate=rate, reduce=False)
+        try:
+            check_replicas(engine.module, layout)
+            replicas = "identical"
+        except ReplicaMismatch as e:
+            replicas = str(e)
+        biases = [m.router.e_score_correction_bias for m in engine.module.modules() if hasattr(m, "router")]
+        ref_biases = [m.router.e_score_correction_bias for m in ref.modules() if hasattr(m, "router")]
+        results.append(
+            dict(
+                case=case,
+                replicas=replicas,
+                grad_norm=norms,
+                ref_grad_norm=ref_norms,
+                param_err=_compare_to_reference(
+                    engine.module, ref, layout, use_grad=False, worst_names=(names := {})
+                ),
+                worst_param=names,
+                ref_update=max(_rel(p.detach().float(), initial[n]) for n, p in ref.named_parameters()),
+                update=max(
+                    _rel(p.detach().float(), initial[n])
+                    for n, p in engine.module.named_parameters()
+                    if not n.endswith(("gate_up_proj", "down_proj"))
+                ),
+                bias_equal_ref=all(torch.equal(a, b) for a, b in zip(biases, ref_biases, strict=True)),
+                bias_moved=any(bool(b.abs().sum() > 0) for b in biases),
+                optimizer_type=type(engine.optimizer).__name__,
+            )
+        )
+    return results
+
+
+def layout_suite(ckpt: str, ep: int, etp: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Everything for one layout in one launch (process start-up dominates on CPU)."""
+    return {"gradients": forward_and_gradients(ckpt, ep, etp), "steps": training_steps(ckpt, ep, etp, cases)}

@@ -1,0 +1,115 @@
+"""Expert (EP) and expert-tensor (ETP) parallelism under DeepSpeed on CPU ranks (gloo), against the
+single-process model on the concatenated global batch, and the replica gradient-sync patch with its control.
+
+Tolerances (fp32 unless said): logits <= 1e-5 relative; reduced gradients <= 1e-5 relative (non-expert: the
+global mean; expert shards: the matching slice); clipping norm <= 1e-6 relative (first step); after two SGD steps
+parameters <= 1e-5 relative, after two AdamW steps (lr 1e-3) <= 4 lr per element. bf16 (a checkpoint with
+0.3x weight scale, where bf16 tracks fp32): replicas bitwise identical; SGD parameters <= 5e-2 relative;
+AdamW <= 4 lr + 2^-7 max|p| per element; clipping norm <= 2% relative (first step).
+Replicas are always compared bitwise (`check_replicas`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist_harness import run_world
+from tests.model_fixtures import CONFIG_A, save_tiny_hf
+
+LR_ADAM = 1e-3
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    full = tmp_path_factory.mktemp("ep_full")
+    calm = tmp_path_factory.mktemp("ep_calm")
+    save_tiny_hf(full, CONFIG_A)
+    save_tiny_hf(calm, CONFIG_A, matrix_scale=0.3)
+    return str(full), str(calm)
+
+
+def _cases(calm: str, etp: int) -> list[dict]:
+    cases = [
+        dict(stage=0, optimizer="sgd", patch=True),
+        dict(stage=1, optimizer="adamw", patch=True, lr=LR_ADAM),
+        dict(stage=2, optimizer="sgd", patch=True, overlap_comm=True, gas=2),
+        dict(stage=2, optimizer="adamw", patch=True, lr=LR_ADAM),
+        dict(stage=0, optimizer="sgd", patch=True, dtype="bf16", ckpt=calm),
+        dict(stage=1, optimizer="sgd", patch=True, dtype="bf16", bf16_optimizer=True, gas=2, ckpt=calm),
+        dict(stage=2, optimizer="adamw", patch=True, dtype="bf16", lr=LR_ADAM, ckpt=calm),
+    ]
+    if etp > 1:  # controls: without the patch ETP peers drift apart
+        cases += [
+            dict(stage=0, optimizer="sgd", patch=False),
+            dict(stage=2, optimizer="sgd", patch=False, dtype="bf16", ckpt=calm),
+        ]
+    return cases
+
+
+def _check_gradients(results, etp):
+    for r in results:
+        g = r["gradients"]
+        assert g["logits_rel_err"] <= 1e-5, g
+        assert g["grad_err_patched"]["non_expert"] <= 1e-5, g
+        assert g["grad_err_patched"]["expert"] <= 1e-5, g
+        assert g["expert_grads_unchanged_by_patch"], g
+        assert abs(g["grad_norm_patched"] - g["ref_grad_norm"]) <= 1e-6 * g["ref_grad_norm"], g
+        # control: DeepSpeed's stage-0 clipping norm averages per-rank norms, which is not the global norm once
+        # experts are split over EP ranks (measured: 2e-5 relative off here; ours is exact to ~1e-7)
+        assert abs(g["deepspeed_stage0_clip_norm"] - g["ref_grad_norm"]) > 1e-5 * g["ref_grad_norm"], g
+        if etp > 1:  # control: DeepSpeed alone averages over an incomplete group
+            assert g["grad_err_unpatched"]["non_expert"] > 1e-2, g
+        else:
+            assert g["grad_err_unpatched"]["non_expert"] <= 1e-5, g
+
+
+def _check_steps(results):
+    for rank_result in results:
+        for r in rank_result["steps"]:
+            case, err = r["case"], r["param_err"]
+            if not case["patch"]:
+                assert r["replicas"].startswith("replicas differ"), r
+                continue
+            assert r["replicas"] == "identical", r
+            assert r["bias_moved"]
+            bf16 = case.get("dtype") == "bf16"
+            # first step: identical parameters, so the clipping norm must equal the reference's; the second step's
+            # parameters already differ by the previous step's rounding
+            for step, (got, ref) in enumerate(zip(r["grad_norm"], r["ref_grad_norm"], strict=True)):
+                tol = (2e-2 if step == 0 else 1e-1) if bf16 else (1e-6 if step == 0 else 1e-4)
+                assert abs(got - ref) <= tol * ref, r
+            if case["optimizer"] == "sgd":
+                assert max(err["expert"], err["non_expert"]) <= (5e-2 if bf16 else 1e-5), r
+                if not bf16:
+                    assert r["bias_equal_ref"], r
+            else:
+                bound = 4 * case["lr"] + (2**-7 if bf16 else 0.0)
+                assert max(err["expert_abs"], err["non_expert_abs"]) <= bound, r
+
+
+def _run(tmp_path, checkpoints, world, ep, etp):
+    full, calm = checkpoints
+    results = run_world(world, "layout_suite", tmp_path, ckpt=full, ep=ep, etp=etp, cases=_cases(calm, etp))
+    _check_gradients(results, etp)
+    _check_steps(results)
+    return results
+
+
+@pytest.mark.slow
+def test_ep2_etp2_world4(tmp_path, checkpoints):
+    _run(tmp_path, checkpoints, world=4, ep=2, etp=2)
+
+
+@pytest.mark.slow
+def test_dp2_ep2_world4(tmp_path, checkpoints):
+    _run(tmp_path, checkpoints, world=4, ep=2, etp=1)
+
+
+@pytest.mark.slow
+def test_ep4_world4(tmp_path, checkpoints):
+    _run(tmp_path, checkpoints, world=4, ep=4, etp=1)
+
+
+@pytest.mark.slow
+def test_ep2_etp2_dp2_world8(tmp_path, checkpoints):
+    _run(tmp_path, checkpoints, world=8, ep=2, etp=2)
