@@ -36,7 +36,7 @@ def _deepspeed_moe_marker(num_experts: int, ep_size: int, group_name: str) -> nn
         def set_deepspeed_parallelism(self, *args: Any, **kwargs: Any) -> None:
             pass
 
-        def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
             raise RuntimeError("the DeepSpeed MoE marker is not a layer")
 
     return DeepSpeedMoEMarker()

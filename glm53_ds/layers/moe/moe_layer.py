@@ -17,6 +17,8 @@ from .router import TopKRouter
 
 
 class Glm53MoE(nn.Module):
+    expert_load: torch.Tensor
+
     def __init__(self, config: Glm53TransformerConfig, **unused: Any) -> None:
         super().__init__()
         cfg = config.glm

@@ -1,0 +1,74 @@
+"""Single-process checks of the parallel helpers: layout validation, the DeepSpeed mpu view, the router-bias
+rule, replica checks and patch installation. Multi-rank behaviour is in test_expert_parallel.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import glm53_ds
+from glm53_ds.config import Glm53Config
+from glm53_ds.parallel.grad_sync import install_gradient_sync
+from glm53_ds.parallel.initialize import DeepSpeedMpu, initialize, validate_layout
+from glm53_ds.parallel.replicas import check_replicas
+from glm53_ds.parallel.router_balance import update_router_bias
+from tests.model_fixtures import CONFIG_A
+
+
+@pytest.mark.parametrize(
+    "world, ep, etp, experts, inner, message",
+    [
+        (6, 4, 1, None, None, r"world size 6 is not divisible by EP x ETP = 4 x 1 = 4"),
+        (8, 2, 3, None, None, r"world size 8 is not divisible by EP x ETP = 2 x 3 = 6"),
+        (8, 0, 1, None, None, r"ep must be a positive integer, got 0"),
+        (8, 8, 1, 12, None, r"n_routed_experts \(12\) is not divisible by EP=8"),
+        (8, 2, 4, 8, 6, r"moe_intermediate_size \(6\) is not divisible by ETP=4"),
+    ],
+)
+def test_invalid_layouts_are_refused(world, ep, etp, experts, inner, message):
+    with pytest.raises(ValueError, match=message):
+        validate_layout(world, ep, etp, experts, inner)
+
+
+def test_single_rank_layout_and_mpu():
+    glm53_ds.build_model(Glm53Config.from_text_dict(CONFIG_A))  # a world-1 process group
+    layout = initialize(1, 1)
+    mpu = DeepSpeedMpu(layout)
+    assert (layout.ep, layout.etp, layout.world_size) == (1, 1, 1)
+    assert mpu.get_model_parallel_world_size() == 1 and mpu.get_data_parallel_world_size() == 1
+    assert mpu.get_data_parallel_group_ranks() == [0] and mpu.get_pipeline_model_parallel_world_size() == 1
+    model = glm53_ds.build_model(Glm53Config.from_text_dict(CONFIG_A))
+    check_replicas(model, layout)  # one replica: nothing to compare, no error
+
+    class FakeEngine:
+        optimizer = object()
+
+        def fp16_enabled(self):
+            return False
+
+        def bfloat16_enabled(self):
+            return False
+
+    engine = FakeEngine()
+    assert install_gradient_sync(engine, layout) is False  # DeepSpeed's group is already complete
+    with pytest.raises(RuntimeError, match="already installed"):
+        install_gradient_sync(engine, layout)
+
+
+def test_router_bias_moves_toward_underloaded_experts():
+    model = glm53_ds.build_model(Glm53Config.from_text_dict(CONFIG_A)).train()
+    ids = torch.randint(1, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(ids)
+    moe = model.decoder.layers[2].mlp
+    load = moe.expert_load.clone()
+    assert load.sum() == 2 * 16 * CONFIG_A["num_experts_per_tok"]
+    stats = update_router_bias(model, rate=0.1, reduce=False)
+    bias = moe.router.e_score_correction_bias
+    mean = load.mean()
+    assert torch.equal(bias, 0.1 * torch.sign(mean - load))  # starts at 0
+    assert moe.expert_load.sum() == 0  # consumed
+    assert stats["decoder.layers.2.mlp"] == pytest.approx((load.max() / mean).item())
+    model(ids)
+    before = bias.clone()
+    update_router_bias(model, rate=0.0, reduce=False)  # off
+    assert torch.equal(bias, before)
