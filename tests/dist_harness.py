@@ -50,6 +50,7 @@ def _child(rank: int, world: int, port: int, scenario: str, kwargs: dict[str, An
 
 def run_world(world: int, scenario: str, out_dir: str, timeout: float = 600, **kwargs: Any) -> list[Any]:
     """Run `tests.dist_scenarios.<scenario>(**kwargs)` on `world` ranks; every rank's result, in rank order."""
+    os.makedirs(out_dir, exist_ok=True)
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [
