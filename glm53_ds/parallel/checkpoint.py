@@ -46,7 +46,8 @@ def _atomic_write_text(text: str, path: str) -> None:
 
 def _split_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     expert_names = {n for n, p in model.named_parameters() if is_expert_param(p)}
-    replicated, experts = {}, {}
+    replicated: dict[str, torch.Tensor] = {}
+    experts: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
         if name.endswith("_extra_state") or t is None:
             continue
