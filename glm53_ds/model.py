@@ -6,7 +6,8 @@
 
 `model(input_ids, attention_mask=None, labels=None)` returns logits, or the loss when labels are given
 (HF convention: labels aligned with input_ids, shifted inside; -100 ignored). With MTP the loss is
-`lm_loss + mtp_loss_weight * mean_k(mtp_loss_k)`; `model.last_losses` keeps the parts.
+`lm_loss + mtp_loss_weight * mean_k(mtp_loss_k)` (+ the MoE sequence auxiliary losses when
+`moe_seq_aux_loss_coef > 0`); `model.last_losses` keeps the parts.
 """
 
 from __future__ import annotations
@@ -79,12 +80,17 @@ class Glm53Model(nn.Module):
             return logits
         lm_loss = causal_lm_loss(logits, labels, shift=1)
         self.last_losses = {"lm_loss": lm_loss.item()}
-        if self.mtp is None:
-            return lm_loss
-        mtp_losses = self._mtp_losses(hidden, input_ids, mask, labels)
-        mtp_loss = torch.stack(mtp_losses).mean()
-        self.last_losses["mtp_loss"] = mtp_loss.item()
-        return lm_loss + self.glm.mtp_loss_weight * mtp_loss
+        loss = lm_loss
+        if self.mtp is not None:
+            mtp_loss = torch.stack(self._mtp_losses(hidden, input_ids, mask, labels)).mean()
+            self.last_losses["mtp_loss"] = mtp_loss.item()
+            loss = loss + self.glm.mtp_loss_weight * mtp_loss
+        aux = [m.aux_loss for m in self.modules() if getattr(m, "aux_loss", None) is not None]
+        if aux:
+            aux_loss = torch.stack(aux).sum()
+            self.last_losses["aux_loss"] = aux_loss.item()
+            loss = loss + aux_loss
+        return loss
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
         return self.output_layer(normed).float().transpose(0, 1)  # [s, b, V] -> [b, s, V]

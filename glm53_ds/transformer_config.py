@@ -23,6 +23,9 @@ class Glm53TransformerConfig(TransformerConfig):
     # Selective recompute of the mHC pre/post (megatron validates recompute_modules against its own list,
     # so "mhc" is carried here; make_transformer_config accepts it inside recompute_modules).
     recompute_mhc: bool = False
+    # Sequence-wise auxiliary balance loss weight (DeepSeek-V3); 0 = off. GLM-5.3 balances with the router
+    # bias (aux-loss-free); set e.g. cfg.router_aux_loss_coef to add this loss as well.
+    moe_seq_aux_loss_coef: float = 0.0
 
 
 def make_transformer_config(

@@ -153,6 +153,8 @@ def forward_and_gradients(ckpt: str, ep: int, etp: int) -> dict[str, Any]:
             model, layout, stage=0, dtype=torch.float32, optimizer="sgd", lr=0.0, patch=patch, clip=1e9
         )
         loss = engine(_local(ids, rank), labels=_local(ids, rank))
+        with torch.no_grad():
+            out["loss_rel_err"] = _rel(loss.detach(), ref(_local(ids, rank), labels=_local(ids, rank)))
         engine.backward(loss)
         key = "patched" if patch else "unpatched"
         out[f"grad_err_{key}"] = _compare_to_reference(model, ref, layout, use_grad=True)

@@ -50,6 +50,7 @@ def _check_gradients(results, etp):
     for r in results:
         g = r["gradients"]
         assert g["logits_rel_err"] <= 1e-5, g
+        assert g["loss_rel_err"] <= 1e-5, g
         assert g["grad_err_patched"]["non_expert"] <= 1e-5, g
         assert g["grad_err_patched"]["expert"] <= 1e-5, g
         assert g["expert_grads_unchanged_by_patch"], g

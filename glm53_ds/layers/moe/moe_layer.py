@@ -57,6 +57,8 @@ class Glm53MoE(nn.Module):
         # Per-expert token counts of this rank's tokens, accumulated over training forwards until the load
         # balancer consumes them (parallel/router_balance.py); `last_expert_load` is the latest forward's.
         self.last_expert_load: torch.Tensor | None = None
+        self.seq_aux_loss_coef = float(getattr(config, "moe_seq_aux_loss_coef", 0.0))
+        self.aux_loss: torch.Tensor | None = None
         self.register_buffer(
             "expert_load", torch.zeros(cfg.n_routed_experts, dtype=torch.float32), persistent=False
         )
@@ -64,7 +66,10 @@ class Glm53MoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
         """hidden_states [s, b, D] -> ([s, b, D], None)."""
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, D]
-        _, weights, expert_ids = self.router(tokens)
+        scores, weights, expert_ids = self.router(tokens)
+        self.aux_loss = None
+        if self.training and self.seq_aux_loss_coef > 0:
+            self.aux_loss = self._sequence_aux_loss(scores, expert_ids, hidden_states.shape[:2])
         with torch.no_grad():
             self.last_expert_load = torch.bincount(expert_ids.flatten(), minlength=self.router.num_experts)
             if self.training:
@@ -77,3 +82,22 @@ class Glm53MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden_states)[0]
         return out, None
+
+    def _sequence_aux_loss(
+        self, scores: torch.Tensor, expert_ids: torch.Tensor, s_b: torch.Size
+    ) -> torch.Tensor:
+        """DeepSeek-V3 sequence-wise balance loss: coef * mean_b sum_e f_{b,e} P_{b,e}, with
+        f = E / (k s) * (tokens of sequence b routed to e), P = mean over the sequence of normalised scores."""
+        s, b = s_b
+        e, k = scores.shape[-1], expert_ids.shape[-1]
+        probs = scores / scores.sum(-1, keepdim=True)  # [T, E]
+        p = probs.view(s, b, e).mean(0)  # [b, E]
+        counts = torch.zeros(b, e, device=scores.device, dtype=scores.dtype)
+        seq = torch.arange(b, device=scores.device).repeat(s)[:, None].expand(-1, k)  # token t = (i, j) -> j
+        counts.index_put_(
+            (seq.reshape(-1), expert_ids.reshape(-1)),
+            torch.ones_like(expert_ids, dtype=scores.dtype).reshape(-1),
+            accumulate=True,
+        )
+        f = counts * (e / (k * s))
+        return self.seq_aux_loss_coef * (f * p).sum(-1).mean()
