@@ -85,7 +85,7 @@ class Glm53Model(nn.Module):
             mtp_loss = torch.stack(self._mtp_losses(hidden, input_ids, mask, labels)).mean()
             self.last_losses["mtp_loss"] = mtp_loss.item()
             loss = loss + self.glm.mtp_loss_weight * mtp_loss
-        aux = [m.aux_loss for m in self.modules() if getattr(m, "aux_loss", None) is not None]
+        aux = [a for m in self.modules() if isinstance(a := getattr(m, "aux_loss", None), torch.Tensor)]
         if aux:
             aux_loss = torch.stack(aux).sum()
             self.last_losses["aux_loss"] = aux_loss.item()
