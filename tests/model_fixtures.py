@@ -10,28 +10,7 @@ import torch
 from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
 from glm53_ds.convert.names import canonical_text_name, released_layout, split_to_released
-
-VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32,
-              projection_intermediate_size=32)  # fmt: skip
-
-BASE_TEXT: dict[str, Any] = dict(
-    vocab_size=96,
-    pad_token_id=0,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    kv_lora_rank=16,
-    q_lora_rank=24,
-    qk_nope_head_dim=8,
-    v_head_dim=8,
-    index_head_dim=8,
-    index_n_heads=2,
-    linear_head_dim=8,
-    linear_num_heads=2,
-    rms_norm_eps=1e-5,
-)
+from tests.hf_reference import BASE_TEXT, VISION
 
 # KDA + DSA (full and shared indexers), dense + MoE, grouped routing, clamping active, sparse selection active
 # for sequences longer than index_topk (8).

@@ -11,35 +11,11 @@ from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
 
 from glm53_ds.config import Glm53Config
+from tests.hf_reference import TINY_TEXT as TINY_TEXT_BASE
+from tests.hf_reference import VISION as TINY_VISION
 from tests.hf_reference import hf_text_config
 
-TINY_TEXT = dict(
-    vocab_size=128,
-    pad_token_id=0,
-    hidden_size=32,
-    num_hidden_layers=4,
-    intermediate_size=64,
-    moe_intermediate_size=16,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    kv_lora_rank=16,
-    q_lora_rank=24,
-    qk_nope_head_dim=8,
-    v_head_dim=8,
-    index_topk=8,
-    index_kpool=4,
-    index_head_dim=8,
-    index_n_heads=2,
-    linear_head_dim=8,
-    linear_num_heads=2,
-    rms_norm_eps=3e-5,
-    hc_eps=2e-6,
-    hc_mult=3,
-)
-TINY_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32,
-                   projection_intermediate_size=32)  # fmt: skip
+TINY_TEXT = dict(TINY_TEXT_BASE, rms_norm_eps=3e-5, hc_eps=2e-6, hc_mult=3)
 
 # Fields whose value HF derives or exposes under another name; compared separately.
 HF_COMPARED_FIELDS = [
