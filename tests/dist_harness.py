@@ -48,35 +48,56 @@ def _child(rank: int, world: int, port: int, scenario: str, kwargs: dict[str, An
         raise SystemExit(1)
 
 
-def run_world(world: int, scenario: str, out_dir: str, timeout: float = 600, **kwargs: Any) -> list[Any]:
-    """Run `tests.dist_scenarios.<scenario>(**kwargs)` on `world` ranks; every rank's result, in rank order."""
-    os.makedirs(out_dir, exist_ok=True)
+def _launch(world: int, scenario: str, out_dir: str, timeout: float, kwargs: dict[str, Any]) -> list[dict]:
+    """One attempt: start every rank, stop all of them as soon as one fails (the others would wait forever in a
+    collective), return each rank's payload (or a placeholder for a rank that wrote none)."""
+    import time
+
     ctx = mp.get_context("spawn")
     port = free_port()
+    for rank in range(world):
+        path = os.path.join(out_dir, f"rank{rank}.json")
+        if os.path.exists(path):
+            os.remove(path)
     procs = [
         ctx.Process(target=_child, args=(r, world, port, scenario, kwargs, str(out_dir)))
         for r in range(world)
     ]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout)
+    deadline = time.monotonic() + timeout
+    while any(p.is_alive() for p in procs):
+        if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
+            break
+        time.sleep(0.2)
     for p in procs:
         if p.is_alive():
             p.kill()
-            p.join()
-    results, errors = [], []
+        p.join()
+    payloads = []
     for rank in range(world):
         path = os.path.join(out_dir, f"rank{rank}.json")
-        if not os.path.exists(path):
-            errors.append(f"rank {rank}: no result (exit code {procs[rank].exitcode})")
-            continue
-        with open(path, encoding="utf-8") as f:
-            payload = json.load(f)
-        if payload["ok"]:
-            results.append(payload["result"])
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                payloads.append(json.load(f))
         else:
-            errors.append(f"rank {rank}:\n{payload['error']}")
+            payloads.append({"ok": False, "error": f"no result (exit code {procs[rank].exitcode})"})
+    return payloads
+
+
+def run_world(world: int, scenario: str, out_dir: str, timeout: float = 600, **kwargs: Any) -> list[Any]:
+    """Run `tests.dist_scenarios.<scenario>(**kwargs)` on `world` ranks; every rank's result, in rank order.
+
+    A rendezvous port taken between choosing and binding it (EADDRINUSE) is retried with a new port."""
+    os.makedirs(out_dir, exist_ok=True)
+    for _attempt in range(3):
+        payloads = _launch(world, scenario, str(out_dir), timeout, kwargs)
+        if not any(
+            "EADDRINUSE" in p.get("error", "") or "address already in use" in p.get("error", "")
+            for p in payloads
+        ):
+            break
+    errors = [f"rank {r}:\n{p['error']}" for r, p in enumerate(payloads) if not p["ok"]]
     if errors:
         raise RuntimeError(f"{scenario} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
-    return results
+    return [p["result"] for p in payloads]
