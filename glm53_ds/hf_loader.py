@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
 
 from .config import Glm53Config
 from .convert.names import (
+    Placement,
     canonical_text_name,
     is_mtp_shared_duplicate,
     mtp_layer_indices,
@@ -81,8 +84,50 @@ def checkpoint_has_mtp(names: list[str], cfg: Glm53Config) -> bool:
     )
 
 
-def load_hf_state_into(model: Glm53Model, checkpoint: SafetensorsCheckpoint, mtp: bool) -> None:
+@dataclass(frozen=True)
+class ExpertShard:
+    """This rank's part of the routed experts: EP rank `ep_rank` of `ep`, ETP rank `etp_rank` of `etp`."""
+
+    ep: int = 1
+    ep_rank: int = 0
+    etp: int = 1
+    etp_rank: int = 0
+
+
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _localize(released: str, piece: torch.Tensor, placement: Placement, cfg: Glm53Config, shard: ExpertShard):  # type: ignore[no-untyped-def]
+    """Map a full-model placement of an expert tensor to this rank's shard; None if another rank holds it."""
+    m = _EXPERT.search(released)
+    if m is None or (shard.ep == 1 and shard.etp == 1):
+        return placement, piece
+    local = cfg.n_routed_experts // shard.ep
+    expert, kind = int(m.group(1)), m.group(2)
+    if expert // local != shard.ep_rank:
+        return None
+    inner = cfg.moe_intermediate_size // shard.etp
+    part = slice(shard.etp_rank * inner, (shard.etp_rank + 1) * inner)
+    e = expert % local
+    if kind == "down_proj":
+        return Placement(placement.native, (e,)), piece[:, part]
+    row0 = 0 if kind == "gate_proj" else inner
+    return Placement(placement.native, (e, slice(row0, row0 + inner))), piece[part]
+
+
+def wanted_by_shard(name: str, cfg: Glm53Config, shard: ExpertShard) -> bool:
+    """Whether this rank needs the released tensor `name` at all (experts of other EP ranks are never read)."""
+    m = _EXPERT.search(name)
+    if m is None or shard.ep == 1:
+        return True
+    return int(m.group(1)) // (cfg.n_routed_experts // shard.ep) == shard.ep_rank
+
+
+def load_hf_state_into(
+    model: Glm53Model, checkpoint: SafetensorsCheckpoint, mtp: bool, shard: ExpertShard | None = None
+) -> None:
     cfg = model.glm
+    shard = shard or ExpertShard()
     layout = released_layout(cfg, mtp=mtp)
     state = model.state_dict()
     filled: dict[str, int] = {}
@@ -90,7 +135,12 @@ def load_hf_state_into(model: Glm53Model, checkpoint: SafetensorsCheckpoint, mtp
     unexpected: list[str] = []
     mismatched: list[str] = []
 
-    for raw_name, tensor in checkpoint.tensors():
+    names = [
+        n
+        for n in checkpoint.keys()
+        if (c := canonical_text_name(n)) is None or wanted_by_shard(c, cfg, shard)
+    ]
+    for raw_name, tensor in checkpoint.tensors(names):
         name = canonical_text_name(raw_name)
         if name is None or is_mtp_shared_duplicate(name, cfg):
             continue
@@ -105,7 +155,11 @@ def load_hf_state_into(model: Glm53Model, checkpoint: SafetensorsCheckpoint, mtp
                 unexpected.append(f"{raw_name} (duplicate of {released})")
                 continue
             seen.add(released)
-            for p in placements:
+            for full in placements:
+                local = _localize(released, piece, full, cfg, shard)
+                if local is None:
+                    continue
+                p, part = local
                 target = state[p.native][p.index] if p.index else state[p.native]
                 if tuple(piece.shape) != tuple(target.shape):
                     mismatched.append(
@@ -116,7 +170,7 @@ def load_hf_state_into(model: Glm53Model, checkpoint: SafetensorsCheckpoint, mtp
                     target.copy_(piece.to(target.dtype))
                 filled[p.native] = filled.get(p.native, 0) + target.numel()
 
-    missing = [n for n in layout if n not in seen]
+    missing = [n for n in layout if n not in seen and wanted_by_shard(n, cfg, shard)]
     problems = []
     if missing:
         problems.append(f"missing {len(missing)} tensor(s): {_listing(missing)}")

@@ -68,9 +68,14 @@ class Glm53Model(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        next_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        b, s = input_ids.shape
+        """`next_tokens [b, m]` (optional) continue `labels` past the input, so that the last positions get
+        targets too (training windows of seq_length + 1 tokens: input = window[:-1], labels = window[:-1],
+        next_tokens = window[-1:])."""
         mask = self._check_inputs(input_ids, attention_mask, labels)
+        if next_tokens is not None and labels is not None:
+            labels = torch.cat([labels, next_tokens.to(labels.dtype)], dim=1)
         x = self.embedding(input_ids).transpose(0, 1)  # [b, s, D] -> [s, b, D]
         streams = expand_streams(x, self.glm.hc_mult)  # [s, b, n, D]
         streams = self.decoder(streams, attention_mask=mask)
@@ -159,10 +164,14 @@ def shift_left(ids: torch.Tensor, mask: torch.Tensor, k: int) -> tuple[torch.Ten
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, shift: int) -> torch.Tensor:
-    """Mean cross entropy of logits[:, t] against labels[:, t + shift] over non-ignored targets (HF's for shift 1)."""
-    target = torch.full_like(labels, IGNORE_INDEX)
-    if shift < labels.shape[1]:
-        target[:, :-shift] = labels[:, shift:]
+    """Mean cross entropy of logits[:, t] against labels[:, t + shift] over non-ignored targets (HF's for shift 1).
+
+    `labels` may be longer than `logits` (targets past the input)."""
+    b, s = logits.shape[:2]
+    target = torch.full((b, s), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)
+    n = min(s, labels.shape[1] - shift)
+    if n > 0:
+        target[:, :n] = labels[:, shift : shift + n]
     return F.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX
     )

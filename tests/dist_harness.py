@@ -8,20 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import traceback
 from typing import Any
 
 import torch.multiprocessing as mp
 
+from glm53_ds.parallel.initialize import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(rank: int, world: int, port: int, scenario: str, kwargs: dict[str, Any], out_dir: str) -> None:

@@ -165,5 +165,14 @@ class DeepSpeedMpu:
         return None
 
 
+def free_port() -> int:
+    """A TCP port free on this host right now (for a single-node rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"

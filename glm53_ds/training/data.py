@@ -1,0 +1,169 @@
+"""Training data: megatron indexed datasets, built from text / jsonl, sampled deterministically.
+
+Sources (`--data`):
+  - a megatron indexed dataset prefix (`<prefix>.bin` + `<prefix>.idx`, from megatron-core's tools or
+    `python -m glm53_ds.training.data --input ... --output-prefix ...`);
+  - a `.jsonl` file (one document per line, text under "text") or a plain `.txt` file (one document), tokenized at
+    start-up into an indexed dataset next to a cache key.
+Tokenizers (`--tokenizer`): `bytes` (UTF-8 bytes, the `tiny` preset's vocabulary) or a directory that
+`transformers.AutoTokenizer` loads (the checkpoint's own).
+
+Document boundaries: documents are concatenated into one token stream with an end-of-document token after each;
+a training sample is any window of `seq_length + 1` consecutive tokens of that stream, so a sample may span a
+boundary, and attention is not reset there (as in megatron's GPT dataset). Samples are non-overlapping windows,
+visited in a permutation fixed by the seed (re-shuffled every epoch with seed + epoch); the position in that
+order is the step number, so a resumed run reads exactly the samples the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+BYTE_EOD, BYTE_PAD = 256, 257
+
+
+class ByteTokenizer:
+    vocab_size = 258
+    eod_id = BYTE_EOD
+    pad_id = BYTE_PAD
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+class HFTokenizer:
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        if not os.path.isdir(path):
+            raise FileNotFoundError(
+                f"--tokenizer {path!r}: no such directory (expected a tokenizer or checkpoint dir)"
+            )
+        self.tok = AutoTokenizer.from_pretrained(path)
+        self.vocab_size = len(self.tok)
+        eod = self.tok.eos_token_id
+        if eod is None:
+            raise ValueError(f"--tokenizer {path!r} defines no eos token to separate documents")
+        self.eod_id = int(eod)
+        self.pad_id = int(self.tok.pad_token_id if self.tok.pad_token_id is not None else eod)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+
+def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
+    return ByteTokenizer() if spec == "bytes" else HFTokenizer(spec)
+
+
+def _documents(path: str) -> Iterator[str]:
+    if path.endswith(".jsonl"):
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    doc = json.loads(line)
+                    if "text" not in doc:
+                        raise ValueError(f"{path}:{i}: a jsonl document needs a 'text' field")
+                    yield doc["text"]
+    else:
+        with open(path, encoding="utf-8") as f:
+            yield f.read()
+
+
+def build_indexed_dataset(input_path: str, output_prefix: str, tokenizer: ByteTokenizer | HFTokenizer) -> str:
+    """Tokenize text/jsonl into `<output_prefix>.bin/.idx` (written to temporary names, then renamed)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    dtype = np.uint16 if tokenizer.vocab_size < 65500 else np.int32
+    tmp = f"{output_prefix}.tmp{os.getpid()}"
+    builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
+    count = 0
+    for text in _documents(input_path):
+        ids = torch.tensor(tokenizer.encode(text) + [tokenizer.eod_id], dtype=torch.int64)
+        builder.add_document(ids, [ids.numel()])  # one sequence per document
+        count += 1
+    if count == 0:
+        raise ValueError(f"--data {input_path!r} holds no documents")
+    builder.finalize(tmp + ".idx")
+    os.replace(tmp + ".bin", output_prefix + ".bin")
+    os.replace(tmp + ".idx", output_prefix + ".idx")
+    return output_prefix
+
+
+def resolve_dataset(
+    data: str, tokenizer: ByteTokenizer | HFTokenizer, tokenizer_spec: str, cache_dir: str
+) -> str:
+    """The indexed-dataset prefix for `--data` (tokenizing text/jsonl into `cache_dir` once)."""
+    if os.path.isfile(data + ".bin") and os.path.isfile(data + ".idx"):
+        return data
+    if not os.path.isfile(data):
+        raise FileNotFoundError(f"--data {data!r}: neither a file nor an indexed dataset prefix (.bin/.idx)")
+    stat = os.stat(data)
+    key = hashlib.sha1(
+        f"{os.path.abspath(data)}|{stat.st_size}|{stat.st_mtime_ns}|{tokenizer_spec}".encode()
+    ).hexdigest()[:16]
+    prefix = os.path.join(cache_dir, f"{os.path.basename(data)}.{key}")
+    if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
+        os.makedirs(cache_dir, exist_ok=True)
+        build_indexed_dataset(data, prefix, tokenizer)
+    return prefix
+
+
+class SampleStream:
+    """Non-overlapping windows of `seq_length + 1` tokens over the concatenated documents, in seeded order."""
+
+    def __init__(self, prefix: str, seq_length: int, seed: int, vocab_size: int) -> None:
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        dataset = IndexedDataset(prefix)
+        self.tokens = np.concatenate([np.asarray(dataset[i]) for i in range(len(dataset))]).astype(np.int64)
+        self.seq_length, self.seed = seq_length, seed
+        self.num_samples = (len(self.tokens) - 1) // seq_length
+        if self.num_samples < 1:
+            raise ValueError(
+                f"--data {prefix!r} has {len(self.tokens)} tokens, fewer than one sample of --seq-length {seq_length} + 1"
+            )
+        top = int(self.tokens.max())
+        if top >= vocab_size:
+            raise ValueError(
+                f"--data {prefix!r} contains token id {top}, outside the model's vocab_size {vocab_size}"
+            )
+        self._epoch, self._order = -1, np.empty(0, dtype=np.int64)
+
+    def _order_for(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            self._order, self._epoch = torch.randperm(self.num_samples, generator=g).numpy(), epoch
+        return self._order
+
+    def sample(self, index: int) -> torch.Tensor:
+        """The `index`-th sample of the run ([seq_length + 1] int64), cycling epochs."""
+        epoch, pos = divmod(index, self.num_samples)
+        start = int(self._order_for(epoch)[pos]) * self.seq_length
+        return torch.from_numpy(self.tokens[start : start + self.seq_length + 1].copy())
+
+    def batch(self, step: int, micro: int, rank: int, world: int, micro_batch: int, gas: int) -> torch.Tensor:
+        """This rank's micro-batch [micro_batch, seq_length + 1]: the global batch of `step` is samples
+        [step*G, (step+1)*G) with G = micro_batch * gas * world, laid out micro-step, then rank, then row."""
+        base = step * micro_batch * gas * world + (micro * world + rank) * micro_batch
+        return torch.stack([self.sample(base + i) for i in range(micro_batch)])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Tokenize text/jsonl into a megatron indexed dataset.")
+    parser.add_argument("--input", required=True)
+    parser.add_argument("--output-prefix", required=True)
+    parser.add_argument("--tokenizer", default="bytes")
+    args = parser.parse_args()
+    prefix = build_indexed_dataset(args.input, args.output_prefix, load_tokenizer(args.tokenizer))
+    print(f"wrote {prefix}.bin / {prefix}.idx")
+
+
+if __name__ == "__main__":
+    main()

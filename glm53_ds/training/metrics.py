@@ -1,0 +1,64 @@
+"""Training metrics: JSONL file, optional TensorBoard, and a PNG loss curve at the end (rank 0 only)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+
+class MetricsWriter:
+    def __init__(self, output_dir: str, tensorboard_dir: str | None, append: bool) -> None:
+        os.makedirs(output_dir, exist_ok=True)
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self._file = open(self.path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
+        self._tb = None
+        if tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise RuntimeError(
+                    "--tensorboard-dir needs the tensorboard package (pip install tensorboard)"
+                ) from e
+            self._tb = SummaryWriter(tensorboard_dir)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float):
+                    self._tb.add_scalar(f"train/{key}", value, record["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_loss(metrics_path: str, png_path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    steps = [r["step"] for r in records]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(steps, [r["lm_loss"] for r in records], label="LM loss")
+    if any("mtp_loss" in r for r in records):
+        ax.plot(steps, [r.get("mtp_loss", float("nan")) for r in records], label="MTP loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = png_path + ".tmp.png"
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, png_path)
