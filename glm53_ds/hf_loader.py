@@ -97,7 +97,9 @@ class ExpertShard:
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-def _localize(released: str, piece: torch.Tensor, placement: Placement, cfg: Glm53Config, shard: ExpertShard):  # type: ignore[no-untyped-def]
+def _localize(
+    released: str, piece: torch.Tensor, placement: Placement, cfg: Glm53Config, shard: ExpertShard
+) -> tuple[Placement, torch.Tensor] | None:
     """Map a full-model placement of an expert tensor to this rank's shard; None if another rank holds it."""
     m = _EXPERT.search(released)
     if m is None or (shard.ep == 1 and shard.etp == 1):

@@ -29,6 +29,8 @@ from .grad_sync import is_expert_param
 from .initialize import ParallelLayout
 
 FORMAT = "glm53_ds-ep-etp-v1"
+# Tests set this to a tag to kill the process in the middle of saving it.
+FAIL_ENV = "GLM53_TEST_DIE_DURING_SAVE"
 
 
 def _atomic_save(obj: Any, path: str) -> None:
@@ -71,6 +73,8 @@ def save_checkpoint(
         _atomic_save(replicated, os.path.join(root, "replicated.pt"))
         meta = dict(format=FORMAT, ep=layout.ep, etp=layout.etp, world_size=layout.world_size)
         _atomic_write_text(json.dumps(meta, indent=2), os.path.join(root, "layout.json"))
+    if os.environ.get(FAIL_ENV) == tag:  # fault injection for tests: die mid-save, before `latest` moves
+        os._exit(17)
     if dist.get_rank(layout.expert_dp_group) == 0:
         _atomic_save(experts, os.path.join(root, _expert_file(layout)))
     if engine.zero_optimization_stage() == 0:

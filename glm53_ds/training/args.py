@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--save", default=None, help="checkpoint directory")
     c.add_argument("--save-interval", type=int, default=0, help="steps between saves (0: only at the end)")
     c.add_argument("--load", default=None, help="resume from this checkpoint directory (its 'latest' tag)")
+    c.add_argument("--load-tag", default=None, help="resume from this tag instead of 'latest' (e.g. step300)")
     c.add_argument("--export-hf", default=None, help="write a transformers-loadable directory at the end")
     c.add_argument("--output-dir", default=None, help="metrics.jsonl and loss.png (default: runs/<model>)")
     c.add_argument("--check-replicas-interval", type=int, default=0, help="also before every save")

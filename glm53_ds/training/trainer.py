@@ -146,9 +146,11 @@ def setup(args: Any) -> dict[str, Any]:
     cfg = model_config(args)
     data = args.data or DEFAULT_DATA
     tokenizer_spec = args.tokenizer or (args.hf_dir if args.hf_dir else "bytes")
-    for option, path in (("--load", args.load),):
-        if path and not os.path.isfile(os.path.join(path, "latest")):
-            raise SetupError(f"{option} {path!r}: no checkpoint there (the file 'latest' is missing)")
+    if args.load:
+        tag_ok = args.load_tag and os.path.isdir(os.path.join(args.load, args.load_tag))
+        if not tag_ok and not os.path.isfile(os.path.join(args.load, "latest")):
+            what = f"tag {args.load_tag!r}" if args.load_tag else "the file 'latest'"
+            raise SetupError(f"--load {args.load!r}: no checkpoint there ({what} is missing)")
     try:
         tokenizer = load_tokenizer(tokenizer_spec)
     except (OSError, ValueError) as e:
@@ -252,7 +254,7 @@ def train(args: Any) -> dict[str, Any]:
     cfg, stream, rank, world, gas = env["cfg"], env["stream"], env["rank"], env["world"], env["gas"]
     start_step = 0
     if args.load:
-        client = load_checkpoint(engine, layout, args.load)
+        client = load_checkpoint(engine, layout, args.load, tag=args.load_tag)
         start_step = int(client["step"])
         torch.set_rng_state(client["rng"])
     writer = (
@@ -365,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except TrainingStopped as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"\nerror: {e}", file=sys.stderr)  # after the progress bar's line
         return 3
     if dist.is_initialized() and dist.get_rank() == 0 and last:
         print("final: " + _format(last))

@@ -1,0 +1,178 @@
+"""`deepspeed launch/train.py` end to end on CPU ranks: training, resume exactness, a save killed halfway, HF
+export, and every set-up failure with its message."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from glm53_ds.parallel.initialize import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "launch", "train.py")
+
+
+def deepspeed_run(
+    ranks: int, *args: str, env: dict | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()), TRAIN, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})  # fmt: skip
+
+
+def python_run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, TRAIN, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+def metrics(output_dir) -> list[dict]:
+    with open(os.path.join(output_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+def test_two_ranks_train_export_and_plot(tmp_path):
+    out, export = tmp_path / "run", tmp_path / "hf"
+    proc = deepspeed_run(2, "--train-iters", "12", "--output-dir", str(out), "--export-hf", str(export),
+                         "--tensorboard-dir", str(tmp_path / "tb"), "--check-replicas-interval", "4")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = metrics(out)
+    assert [r["step"] for r in records] == list(range(1, 13))
+    assert records[-1]["lm_loss"] < records[0]["lm_loss"] - 0.5  # visibly learning
+    for key in ("mtp_loss", "lr", "grad_norm", "tokens_per_s", "step_time", "moe_imbalance"):
+        assert key in records[-1]
+    assert (out / "loss.png").stat().st_size > 1000
+    assert any(p.name.startswith("events") for p in (tmp_path / "tb").iterdir())
+    # the export is a transformers checkpoint with the trained weights
+    from transformers import Glm5NextForConditionalGeneration
+
+    import glm53_ds
+
+    hf = Glm5NextForConditionalGeneration.from_pretrained(export, attn_implementation="eager").eval()
+    ours = glm53_ds.load_hf(str(export)).eval()
+    ids = torch.randint(1, 256, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(hf(input_ids=ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
+    assert ours.mtp is not None  # MTP weights exported under layers.<num_hidden_layers>
+
+
+@pytest.mark.slow
+def test_four_ranks_ep2_etp2(tmp_path):
+    proc = deepspeed_run(4, "--ep", "2", "--etp", "2", "--train-iters", "3", "--global-batch-size", "16",
+                         "--output-dir", str(tmp_path), "--check-replicas-interval", "1")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(metrics(tmp_path)) == 3
+
+
+@pytest.mark.slow
+def test_resume_is_bitwise_and_a_killed_save_keeps_the_previous(tmp_path):
+    common = ["--train-iters", "6", "--save-interval", "3", "--save", str(tmp_path / "ckpt")]
+    # The save at step 6 dies halfway: 'latest' must still point at step 3.
+    proc = deepspeed_run(
+        2, *common, "--output-dir", str(tmp_path / "a"), env={"GLM53_TEST_DIE_DURING_SAVE": "step6"}
+    )
+    assert proc.returncode != 0
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step3"
+    uninterrupted = metrics(tmp_path / "a")
+    assert len(uninterrupted) == 6
+    # Resume from step 3 and run steps 4..6 again: losses bitwise equal to the run above.
+    proc = deepspeed_run(2, *common, "--load", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "b"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    resumed = metrics(tmp_path / "b")
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    for a, b in zip(uninterrupted[3:], resumed, strict=True):
+        assert a["loss"] == b["loss"] and a["lm_loss"] == b["lm_loss"] and a["grad_norm"] == b["grad_norm"]
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step6"
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_with_the_step(tmp_path):
+    proc = python_run("--train-iters", "5", "--lr", "1e30", "--warmup", "0", "--clip-grad", "0",
+                      "--output-dir", str(tmp_path))  # fmt: skip
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    # AdamW's first update is lr-sized in every weight; the loss that follows overflows
+    assert re.search(
+        r"error: loss is (nan|inf) at step [23] \(micro-batch 0\); training stopped", proc.stderr
+    ), proc.stderr[-1500:]
+
+
+def _bad_dataset(tmp_path) -> str:
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "bad")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=__import__("numpy").int32)
+    ids = torch.tensor([1, 2, 300] * 100)
+    builder.add_document(ids, [ids.numel()])
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--data", "/nonexistent/corpus.jsonl"], "--data '/nonexistent/corpus.jsonl': neither a file"),
+        (["--tokenizer", "/nonexistent/tok"], "--tokenizer '/nonexistent/tok'"),
+        (["--load", "/nonexistent/ckpt"], "--load '/nonexistent/ckpt': no checkpoint there"),
+        (["--hf-dir", "/nonexistent/hf"], "--hf-dir '/nonexistent/hf': no config.json"),
+        (["--ep", "4"], "--ep 4 --etp 1: world size 1 is not divisible by EP x ETP = 4 x 1 = 4"),
+        (
+            ["--global-batch-size", "3"],
+            "--global-batch-size 3 is not a multiple of --micro-batch-size 2 x world size 1 = 2",
+        ),
+        (
+            [
+                "--deepspeed_config",
+                "ds_configs/cpu.json",
+                "--micro-batch-size",
+                "4",
+                "--global-batch-size",
+                "8",
+            ],
+            None,
+        ),
+        (
+            ["BATCH_CONTRADICTION"],
+            "train_micro_batch_size_per_gpu=8 contradicts the command line, which gives "
+            "train_micro_batch_size_per_gpu=2",
+        ),  # fmt: skip
+        (["BAD_TOKENS"], "contains token id 300, outside the model's vocab_size 258"),
+    ],
+)
+def test_setup_failures_name_the_problem(tmp_path, args, message):
+    if args == ["BATCH_CONTRADICTION"]:
+        config = tmp_path / "ds.json"
+        config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8}))
+        args = ["--deepspeed_config", str(config)]
+    elif args == ["BAD_TOKENS"]:
+        args = ["--data", _bad_dataset(tmp_path)]
+    proc = python_run(*args, "--train-iters", "1", "--output-dir", str(tmp_path / "out"))
+    if message is None:  # the shipped config agrees with the command line
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return
+    assert proc.returncode == 2, proc.stdout[-1000:] + proc.stderr[-2000:]
+    error = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1 and message in error[0], proc.stderr[-2000:]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists() or not metrics(tmp_path / "out")
+
+
+@pytest.mark.slow
+def test_readme_main_job_command_lowers_loss(tmp_path):
+    """README's main job, exactly: `deepspeed launch/train.py` (tiny preset, shipped corpus)."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert "\ndeepspeed launch/train.py\n" in readme
+    run_dir = os.path.join(ROOT, "runs", "tiny")  # the default output directory (git-ignored)
+    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        os.remove(os.path.join(run_dir, "metrics.jsonl"))
+    proc = subprocess.run(["deepspeed", "launch/train.py"], capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = metrics(run_dir)
+    assert len(records) == 60
+    assert records[-1]["lm_loss"] < records[0]["lm_loss"] - 1.0
