@@ -31,6 +31,19 @@ IGNORE_INDEX = -100
 
 
 class Glm53Model(nn.Module):
+    # Tensors HF keeps in fp32 whatever the model dtype (transformers' _keep_in_fp32_modules_strict for glm5_next);
+    # glm53_ds builds them in fp32, and DeepSpeed's bf16/fp16 cast reads this attribute and leaves them in fp32.
+    _keep_in_fp32_modules_strict = [
+        "e_score_correction_bias",
+        "conv1d",
+        "dt_bias",
+        "A_log",
+        "attn_hc.base",
+        "attn_hc.scale",
+        "ffn_hc.base",
+        "ffn_hc.scale",
+    ]
+
     def __init__(self, config: Glm53TransformerConfig, mtp: bool | None = None) -> None:
         super().__init__()
         cfg = config.glm

@@ -309,3 +309,32 @@ def _checkpoint_roundtrip(ckpt: str, ep: int, etp: int, save_dir: str, stage: in
 
 
 LR_CKPT = 1e-3
+
+
+def bf16_keeps_fp32(ckpt: str, ep: int, etp: int) -> dict[str, Any]:
+    """Under a bf16 ZeRO-2 engine: which of HF's fp32-kept tensors DeepSpeed leaves in fp32, and steps run."""
+    layout = _setup(ep, etp)
+    _, model = _models(ckpt, layout, torch.bfloat16)
+    engine = _engine(model, layout, stage=2, dtype=torch.bfloat16, optimizer="adamw", lr=1e-3, patch=True)
+    kept = ("e_score_correction_bias", "conv1d", "dt_bias", "A_log", "_hc.base", "_hc.scale")
+    dtypes = {
+        n: str(t.dtype)
+        for n, t in list(engine.module.named_parameters()) + list(engine.module.named_buffers())
+    }
+    x = _local(_batch(engine.module.glm.vocab_size, layout.world_size, seed=3)[0], layout.rank)
+    for _ in range(2):
+        engine.backward(engine(x, labels=x))
+        engine.step()
+    return dict(
+        bias_buffer_fp32=all(
+            v == "torch.float32" for n, v in dtypes.items() if n.endswith("e_score_correction_bias")
+        ),
+        kept_params_fp32=all(
+            v == "torch.float32" for n, v in dtypes.items() if any(k in n for k in kept[1:])
+        ),
+        others_bf16=all(
+            v == "torch.bfloat16"
+            for n, v in dtypes.items()
+            if not any(k in n for k in kept) and "expert_load" not in n
+        ),  # fmt: skip
+    )

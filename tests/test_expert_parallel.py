@@ -133,3 +133,13 @@ def test_checkpoint_save_load_ep2_etp2(tmp_path, checkpoints):
             ]
             # DeepSpeed's model file of this ETP rank was written by EP rank 0: complete only there
             assert r["deepspeed_model_file_complete"] == (r["ep_rank"] == 0), r
+
+
+@pytest.mark.slow
+def test_bf16_engine_dtypes(tmp_path, checkpoints):
+    """DeepSpeed 0.19.8 keeps listed *buffers* in fp32 (the router bias) but casts every parameter to bf16,
+    HF's fp32-kept ones included; the logits cost of that is measured in test_model_parity.py (numerics.md)."""
+    _, calm = checkpoints
+    for r in run_world(2, "bf16_keeps_fp32", tmp_path, ckpt=calm, ep=2, etp=1):
+        assert r["bias_buffer_fp32"] and r["others_bf16"], r
+        assert not r["kept_params_fp32"], r  # if a DeepSpeed upgrade keeps them, update numerics.md

@@ -176,3 +176,68 @@ def test_readme_main_job_command_lowers_loss(tmp_path):
     records = metrics(run_dir)
     assert len(records) == 60
     assert records[-1]["lm_loss"] < records[0]["lm_loss"] - 1.0
+
+
+def _tiny_hf_checkpoint(path) -> None:
+    """A released-layout checkpoint of the tiny preset (with MTP), written in-process."""
+    import glm53_ds
+    from glm53_ds.convert.export import _hf_config, write_hf_directory
+    from glm53_ds.convert.names import released_tensors
+    from glm53_ds.training.presets import tiny
+
+    cfg = tiny()
+    torch.manual_seed(0)
+    model = glm53_ds.build_model(cfg)
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    write_hf_directory(dict(released_tensors(state, cfg, mtp=True)), _hf_config(cfg, None), str(path))
+
+
+@pytest.mark.slow
+def test_start_from_hf_dir_under_ep2(tmp_path):
+    """Each EP rank reads only its experts from --hf-dir; the first step's loss equals the single-process
+    model's mean loss over the same global batch."""
+    import glm53_ds
+    from glm53_ds.training.data import ByteTokenizer, SampleStream, resolve_dataset
+
+    _tiny_hf_checkpoint(tmp_path / "hf")
+    proc = deepspeed_run(2, "--hf-dir", str(tmp_path / "hf"), "--tokenizer", "bytes", "--ep", "2",
+                         "--train-iters", "1", "--output-dir", str(tmp_path / "run"))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    logged = metrics(tmp_path / "run")[0]
+
+    model = glm53_ds.load_hf(str(tmp_path / "hf")).eval()
+    prefix = resolve_dataset(
+        os.path.join(ROOT, "data", "tiny_corpus.txt"), ByteTokenizer(), "bytes", str(tmp_path / "c")
+    )
+    stream = SampleStream(prefix, 64, 1234, model.glm.vocab_size)
+    losses = []
+    with torch.no_grad():
+        for rank in range(2):
+            batch = stream.batch(0, 0, rank, 2, 2, 1)
+            model(batch[:, :-1], labels=batch[:, :-1], next_tokens=batch[:, -1:])
+            losses.append(model.last_losses["lm_loss"])
+    assert abs(logged["lm_loss"] - sum(losses) / 2) <= 1e-5 * logged["lm_loss"], (logged, losses)
+
+
+def test_jsonl_with_a_transformers_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = sorted(set(open(os.path.join(ROOT, "data", "tiny_corpus.txt"), encoding="utf-8").read().split()))[
+        :200
+    ]
+    vocab = {w: i for i, w in enumerate(["[UNK]", "[EOS]", "[PAD]", *words])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="[UNK]", eos_token="[EOS]", pad_token="[PAD]"
+    ).save_pretrained(tmp_path / "tok")
+    lines = [
+        json.dumps({"text": line})
+        for line in open(os.path.join(ROOT, "data", "tiny_corpus.txt")).read().split("\n\n")
+    ]
+    (tmp_path / "docs.jsonl").write_text("\n".join(lines))
+    proc = python_run("--data", str(tmp_path / "docs.jsonl"), "--tokenizer", str(tmp_path / "tok"), "--seq-length", "16",
+                      "--train-iters", "2", "--output-dir", str(tmp_path / "run"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(metrics(tmp_path / "run")) == 2
