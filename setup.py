@@ -14,6 +14,7 @@ setup(
         "safetensors",
         "numpy",
     ],
+    entry_points={"console_scripts": ["glm53-convert=glm53_ds.convert.__main__:main"]},
     extras_require={
         # triton ships with CUDA torch builds; pinned here so CPU CI can run the kernels in the interpreter.
         "triton": ["triton==3.9.0"],

@@ -304,7 +304,7 @@ def _checkpoint_roundtrip(ckpt: str, ep: int, etp: int, save_dir: str, stage: in
         restored_equal=restored_equal,
         resumed_equal=all(torch.equal(v, continued[k]) for k, v in after.items()),
         client_step=client.get("step"),
-        expert_files=[f for f in files if f.startswith("experts_")],
+        expert_files=[f for f in files if f.startswith("experts_") and f.endswith(".index.json")],
     )
 
 

@@ -129,7 +129,7 @@ def test_checkpoint_save_load_ep2_etp2(tmp_path, checkpoints):
             assert r["restored_equal"] and r["resumed_equal"], r
             assert r["client_step"] == 1
             assert r["expert_files"] == [
-                f"experts_ep{e:03d}_etp{t:03d}.pt" for e in range(2) for t in range(2)
+                f"experts_ep{e:03d}_etp{t:03d}.index.json" for e in range(2) for t in range(2)
             ]
             # DeepSpeed's model file of this ETP rank was written by EP rank 0: complete only there
             assert r["deepspeed_model_file_complete"] == (r["ep_rank"] == 0), r

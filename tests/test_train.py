@@ -181,27 +181,38 @@ def test_readme_main_job_command_lowers_loss(tmp_path):
 def _tiny_hf_checkpoint(path) -> None:
     """A released-layout checkpoint of the tiny preset (with MTP), written in-process."""
     import glm53_ds
-    from glm53_ds.convert.export import _hf_config, write_hf_directory
     from glm53_ds.convert.names import released_tensors
+    from glm53_ds.convert.native_format import ShardWriter
+    from glm53_ds.convert.native_to_hf import SMALL_VISION
     from glm53_ds.training.presets import tiny
 
     cfg = tiny()
     torch.manual_seed(0)
     model = glm53_ds.build_model(cfg)
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    write_hf_directory(dict(released_tensors(state, cfg, mtp=True)), _hf_config(cfg, None), str(path))
+    writer = ShardWriter(str(path), "model", index_file="model.safetensors.index.json")
+    for name, tensor in released_tensors(state, cfg, mtp=True):
+        writer.add(name, tensor)
+    writer.close()
+    config = dict(model_type="glm5_next", text_config=cfg.to_text_dict(), vision_config=SMALL_VISION)
+    (path / "config.json").write_text(json.dumps(config))
 
 
 @pytest.mark.slow
-def test_start_from_hf_dir_under_ep2(tmp_path):
-    """Each EP rank reads only its experts from --hf-dir; the first step's loss equals the single-process
-    model's mean loss over the same global batch."""
+@pytest.mark.parametrize("source", ["hf-dir", "converted"])
+def test_start_from_released_weights_under_ep2(tmp_path, source):
+    """Each EP rank reads only its experts (from --hf-dir, or from `glm53-convert hf-to-native --ep 2` via
+    --load); the first step's loss equals the single-process model's mean loss over the same global batch."""
     import glm53_ds
+    from glm53_ds.convert import hf_to_native
     from glm53_ds.training.data import ByteTokenizer, SampleStream, resolve_dataset
 
     _tiny_hf_checkpoint(tmp_path / "hf")
-    proc = deepspeed_run(2, "--hf-dir", str(tmp_path / "hf"), "--tokenizer", "bytes", "--ep", "2",
-                         "--train-iters", "1", "--output-dir", str(tmp_path / "run"))  # fmt: skip
+    if source == "hf-dir":
+        start = ["--hf-dir", str(tmp_path / "hf"), "--tokenizer", "bytes"]
+    else:
+        start = ["--load", hf_to_native(str(tmp_path / "hf"), str(tmp_path / "native"), ep=2)]
+    proc = deepspeed_run(2, *start, "--ep", "2", "--train-iters", "1", "--output-dir", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     logged = metrics(tmp_path / "run")[0]
 

@@ -255,8 +255,9 @@ def train(args: Any) -> dict[str, Any]:
     start_step = 0
     if args.load:
         client = load_checkpoint(engine, layout, args.load, tag=args.load_tag)
-        start_step = int(client["step"])
-        torch.set_rng_state(client["rng"])
+        start_step = int(client.get("step", 0))  # 0 for a model-only (converted) checkpoint
+        if "rng" in client:
+            torch.set_rng_state(client["rng"])
     writer = (
         MetricsWriter(env["output_dir"], args.tensorboard_dir, append=bool(args.load)) if rank == 0 else None
     )
@@ -338,7 +339,7 @@ def train(args: Any) -> dict[str, Any]:
         if os.path.getsize(writer.path):
             plot_loss(writer.path, os.path.join(env["output_dir"], "loss.png"))
     if args.export_hf:
-        from ..convert.export import export_engine_to_hf
+        from ..convert.native_to_hf import export_engine_to_hf
 
         export_engine_to_hf(engine, layout, cfg, args.export_hf, template=args.hf_dir)
     return last

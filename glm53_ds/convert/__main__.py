@@ -1,0 +1,56 @@
+"""`python -m glm53_ds.convert` / `glm53-convert`: hf-to-native, native-to-hf, verify."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="glm53-convert", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("hf-to-native", help="released checkpoint -> training layout for --ep x --etp")
+    a.add_argument("--hf-dir", required=True)
+    a.add_argument("--out", required=True)
+    a.add_argument("--ep", type=int, default=1)
+    a.add_argument("--etp", type=int, default=1)
+    a.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: keep each tensor's dtype")
+    a.add_argument("--force", action="store_true")
+    b = sub.add_parser("native-to-hf", help="training checkpoint -> directory transformers loads")
+    b.add_argument("--ckpt", required=True)
+    b.add_argument("--out", required=True)
+    b.add_argument(
+        "--hf-template", default=None, help="released checkpoint to take vision tensors/config from"
+    )
+    b.add_argument("--force", action="store_true")
+    c = sub.add_parser("verify", help="compare a released checkpoint and a native one")
+    c.add_argument("--hf-dir", required=True)
+    c.add_argument("--ckpt", required=True)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "hf-to-native":
+            from .hf_to_native import hf_to_native
+
+            hf_to_native(args.hf_dir, args.out, ep=args.ep, etp=args.etp, dtype=DTYPES.get(args.dtype or ""),
+                         force=args.force, progress=True)  # fmt: skip
+        elif args.command == "native-to-hf":
+            from .native_to_hf import native_to_hf
+
+            native_to_hf(args.ckpt, args.out, hf_template=args.hf_template, force=args.force, progress=True)
+        else:
+            from .verify import verify
+
+            return 0 if verify(args.hf_dir, args.ckpt) == 0.0 else 1
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

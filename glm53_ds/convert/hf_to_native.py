@@ -1,0 +1,284 @@
+"""Released HF checkpoint -> native training layout for a given EP x ETP (model-only, loadable by `--load`).
+
+Streaming: tensors are read one at a time (the file is opened per tensor, so its mapping is released), and the
+output goes through size-bounded writers; the largest thing held is one native tensor (a fused dense
+`linear_fc1`, or one shard's stacked experts of one layer) plus the current output file.
+FP8 input: tensors stored as float8 with a `<name>_scale_inv` companion are dequantised (see `fp8.py`).
+The output directory is built under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+
+import torch
+from safetensors import safe_open
+
+from ..config import Glm53Config
+from .fp8 import dequantize_fp8, is_fp8_scale_name
+from .names import (
+    Placement,
+    canonical_text_name,
+    is_mtp_shared_duplicate,
+    mtp_layer_indices,
+    released_layout,
+    split_to_released,
+)
+from .native_format import DEFAULT_SHARD_BYTES, ShardWriter, expert_set_name, write_layout
+
+NATIVE_TAG = "hf"
+_EXPERT_NATIVE = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+class ConversionError(ValueError):
+    pass
+
+
+class HFSource:
+    """A released checkpoint directory, read one tensor at a time (FP8 dequantised, spellings normalised)."""
+
+    def __init__(self, directory: str, fp8_dtype: torch.dtype = torch.bfloat16) -> None:
+        self.directory, self.fp8_dtype = directory, fp8_dtype
+        index = os.path.join(directory, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+        else:
+            self.weight_map = {}
+            for name in sorted(n for n in os.listdir(directory) if n.endswith(".safetensors")):
+                with safe_open(os.path.join(directory, name), framework="pt") as f:
+                    self.weight_map.update({k: name for k in f.keys()})
+        if not self.weight_map:
+            raise FileNotFoundError(f"{directory!r}: no safetensors weights")
+
+    def raw(self, name: str) -> torch.Tensor:
+        with safe_open(os.path.join(self.directory, self.weight_map[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def read(self, name: str) -> torch.Tensor:
+        tensor = self.raw(name)
+        scale = (
+            f"{name}_scale_inv"
+            if not name.endswith(".weight")
+            else name[: -len(".weight")] + ".weight_scale_inv"
+        )
+        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            if scale not in self.weight_map:
+                raise ConversionError(
+                    f"{name} is stored as {tensor.dtype} but has no {scale} to dequantise it"
+                )
+            tensor = dequantize_fp8(name, tensor, self.raw(scale)).to(self.fp8_dtype)
+        return tensor
+
+    def released_names(self, cfg: Glm53Config) -> dict[str, tuple[str, int | None]]:
+        """released name -> (stored name, piece index within the stored tensor or None)."""
+        out: dict[str, tuple[str, int | None]] = {}
+        for stored in self.weight_map:
+            if is_fp8_scale_name(stored):
+                continue
+            name = canonical_text_name(stored)
+            if name is None or is_mtp_shared_duplicate(name, cfg):
+                continue
+            if any(
+                name.endswith(s)
+                for s in (".self_attn.conv1d.weight", ".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+            ):
+                shape = self._shape(stored)
+                pieces = split_to_released(name, torch.empty(shape, device="meta"), cfg)
+                for i, (released, _) in enumerate(pieces):
+                    out[released] = (stored, i)
+            else:
+                out[split_to_released(name, torch.empty(0, device="meta"), cfg)[0][0]] = (stored, None)
+        return out
+
+    def released_shape(
+        self, released: str, where: tuple[str, int | None], cfg: Glm53Config
+    ) -> tuple[int, ...]:
+        stored, piece = where
+        shape = self._shape(stored)
+        if piece is None:
+            return tuple(
+                split_to_released(
+                    canonical_text_name(stored) or stored, torch.empty(shape, device="meta"), cfg
+                )[0][1].shape
+            )
+        return tuple(
+            split_to_released(canonical_text_name(stored) or stored, torch.empty(shape, device="meta"), cfg)[
+                piece
+            ][1].shape
+        )
+
+    def _shape(self, name: str) -> list[int]:
+        with safe_open(os.path.join(self.directory, self.weight_map[name]), framework="pt") as f:
+            return list(f.get_slice(name).get_shape())
+
+    def read_released(self, released: str, where: tuple[str, int | None], cfg: Glm53Config) -> torch.Tensor:
+        stored, piece = where
+        tensor = self.read(stored)
+        if piece is None:
+            return split_to_released(canonical_text_name(stored) or stored, tensor, cfg)[0][1]
+        return split_to_released(canonical_text_name(stored) or stored, tensor, cfg)[piece][1].clone()
+
+
+def expected_native_shapes(cfg: Glm53Config, mtp: bool) -> dict[str, tuple[int, ...]]:
+    """Shapes of the full (EP = ETP = 1) native state dict, from the model definition built on the meta device."""
+    from ..model import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg, mtp=mtp)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def _check(
+    cfg: Glm53Config,
+    available: dict[str, tuple[str, int | None]],
+    layout: dict[str, list[Placement]],
+    source: HFSource,
+) -> None:
+    missing = [n for n in layout if n not in available]
+    mtp_prefixes = tuple(f"layers.{i}." for i in mtp_layer_indices(cfg))
+    extra = [
+        n
+        for n in available
+        if n not in layout and not n.split("language_model.", 1)[-1].startswith(mtp_prefixes)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)} tensor(s): {', '.join(missing[:20])}")
+    if extra:
+        problems.append(f"unexpected {len(extra)} tensor(s): {', '.join(extra[:20])}")
+    if problems:
+        raise ConversionError(f"{source.directory}: " + "; ".join(problems))
+
+
+def hf_to_native(
+    hf_dir: str, out: str, ep: int = 1, etp: int = 1, dtype: torch.dtype | None = None, force: bool = False,
+    shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = False,
+) -> str:  # fmt: skip
+    """Write the native layout for EP x ETP; returns `out`."""
+    cfg = Glm53Config.from_hf(hf_dir)
+    if cfg.n_routed_experts % ep:
+        raise ConversionError(
+            f"--ep {ep}: n_routed_experts ({cfg.n_routed_experts}) is not divisible by EP={ep}"
+        )
+    if cfg.moe_intermediate_size % etp:
+        raise ConversionError(
+            f"--etp {etp}: moe_intermediate_size ({cfg.moe_intermediate_size}) is not divisible by ETP={etp}"
+        )
+    if os.path.exists(out) and not force:
+        raise FileExistsError(f"{out!r} exists; refusing to overwrite (use --force)")
+    source = HFSource(hf_dir, fp8_dtype=dtype or torch.bfloat16)
+    available = source.released_names(cfg)
+    mtp_prefixes = tuple(f"{'model.language_model.'}layers.{i}." for i in mtp_layer_indices(cfg))
+    mtp = cfg.num_nextn_predict_layers > 0 and any(n.startswith(mtp_prefixes) for n in available)
+    layout = released_layout(cfg, mtp=mtp)
+    _check(cfg, available, layout, source)
+    shapes = expected_native_shapes(cfg, mtp)
+    mismatched = []
+    for released, placements in layout.items():
+        stored_shape = source.released_shape(released, available[released], cfg)
+        for p in placements:
+            want = (
+                tuple(torch.empty(shapes[p.native], device="meta")[p.index].shape)
+                if p.index
+                else shapes[p.native]
+            )
+            if stored_shape != want:
+                mismatched.append(f"{released}: checkpoint shape {stored_shape}, expected {want}")
+    if mismatched:
+        raise ConversionError(
+            f"{hf_dir}: shape mismatch for {len(mismatched)} tensor(s): " + "; ".join(mismatched[:20])
+        )
+
+    tmp = f"{out.rstrip('/')}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    root = os.path.join(tmp, NATIVE_TAG, "glm53")
+    bar = _progress(len(layout), progress)
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+    # replicated tensors: group released pieces by native key (fused dense fc1 = gate + up)
+    by_native: dict[str, list[tuple[str, Placement]]] = {}
+    for released, placements in layout.items():
+        for p in placements:
+            by_native.setdefault(p.native, []).append((released, p))
+    writer = ShardWriter(root, "replicated", shard_bytes)
+    for native, pieces in by_native.items():
+        if _EXPERT_NATIVE.search(native):
+            continue
+        if len(pieces) == 1 and not pieces[0][1].index:
+            tensor = source.read_released(pieces[0][0], available[pieces[0][0]], cfg)
+        else:
+            tensor = torch.cat([source.read_released(r, available[r], cfg) for r, _ in pieces])
+        writer.add(native, convert(tensor))
+        bar(len(pieces))
+    writer.close()
+
+    # expert shards
+    local, inner = cfg.n_routed_experts // ep, cfg.moe_intermediate_size // etp
+    expert_natives = [n for n in by_native if _EXPERT_NATIVE.search(n)]
+    for ep_rank in range(ep):
+        for etp_rank in range(etp):
+            writer = ShardWriter(root, expert_set_name(ep_rank, etp_rank), shard_bytes)
+            rows = slice(etp_rank * inner, (etp_rank + 1) * inner)
+            for native in expert_natives:
+                stacked = []
+                for e in range(ep_rank * local, (ep_rank + 1) * local):
+                    prefix = native.rsplit(".", 1)[0]  # ...mlp.experts
+                    released_prefix = _released_expert_prefix(layout, native, e)
+                    if native.endswith("gate_up_proj"):
+                        gate = source.read_released(
+                            f"{released_prefix}.gate_proj.weight",
+                            available[f"{released_prefix}.gate_proj.weight"],
+                            cfg,
+                        )
+                        up = source.read_released(
+                            f"{released_prefix}.up_proj.weight",
+                            available[f"{released_prefix}.up_proj.weight"],
+                            cfg,
+                        )
+                        stacked.append(torch.cat([gate[rows], up[rows]]))
+                    else:
+                        down = source.read_released(
+                            f"{released_prefix}.down_proj.weight",
+                            available[f"{released_prefix}.down_proj.weight"],
+                            cfg,
+                        )
+                        stacked.append(down[:, rows].contiguous())
+                    del prefix
+                writer.add(native, convert(torch.stack(stacked)))
+                if etp_rank == 0:
+                    bar(local * (2 if native.endswith("gate_up_proj") else 1))
+            writer.close()
+
+    write_layout(root, dict(ep=ep, etp=etp, world_size=None, model_only=True, config=cfg.to_text_dict()))
+    shutil.copyfile(os.path.join(hf_dir, "config.json"), os.path.join(root, "hf_config.json"))
+    with open(os.path.join(tmp, "latest"), "w", encoding="utf-8") as f:
+        f.write(NATIVE_TAG)
+    if os.path.exists(out):
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def _released_expert_prefix(layout: dict[str, list[Placement]], native: str, expert: int) -> str:
+    """The released `...mlp.experts.<e>` prefix whose tensors land in `native`."""
+    for released, placements in layout.items():
+        for p in placements:
+            if p.native == native and p.index and p.index[0] == expert:
+                return released.rsplit(".", 2)[0]
+    raise KeyError(f"no released tensor for expert {expert} of {native}")
+
+
+def _progress(total: int, enabled: bool) -> Callable[..., object]:
+    if not enabled:
+        return lambda n=1: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc="convert", unit="tensor")
+    return lambda n=1: bar.update(n)

@@ -1,0 +1,120 @@
+"""The native (training) checkpoint format: named sets of size-bounded safetensors files.
+
+A directory `<ckpt>/<tag>/glm53/` holds
+    layout.json                               format, EP, ETP, the Glm53Config, model_only flag
+    hf_config.json                            (optional) the config.json the weights came from, kept verbatim
+    replicated.index.json + replicated-NNNNN.safetensors              every non-expert tensor
+    experts_ep<EEE>_etp<TTT>.index.json + ...-NNNNN.safetensors       one EP x ETP expert shard
+Native names are glm53_ds state-dict keys; expert tensors hold the shard's local experts
+([E/EP, 2I/ETP, D] and [E/EP, D, I/ETP]). Writers stream (one tensor in memory plus the current output file)
+and write every file under a temporary name, renaming it when complete; the index is written last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+FORMAT = "glm53_ds-native-v2"
+DEFAULT_SHARD_BYTES = 2 * 1024**3
+
+
+def expert_set_name(ep_rank: int, etp_rank: int) -> str:
+    return f"experts_ep{ep_rank:03d}_etp{etp_rank:03d}"
+
+
+class ShardWriter:
+    """Write tensors into `<name>-NNNNN.safetensors` files of at most `max_bytes` (one tensor may exceed it)."""
+
+    def __init__(
+        self, directory: str, name: str, max_bytes: int = DEFAULT_SHARD_BYTES, index_file: str | None = None
+    ) -> None:
+        self.directory, self.name, self.max_bytes = directory, name, max_bytes
+        self.index_file = index_file or f"{name}.index.json"
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._files: list[tuple[str, list[str]]] = []
+        self._sizes: list[int] = []
+        os.makedirs(directory, exist_ok=True)
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + nbytes > self.max_bytes:
+            self._flush()
+        self._pending[key] = tensor.detach().contiguous().cpu()
+        self._pending_bytes += nbytes
+        self._sizes.append(nbytes)
+
+    def _flush(self) -> None:
+        file = f"{self.name}-{len(self._files) + 1:05d}.safetensors"
+        tmp = os.path.join(self.directory, f".{file}.tmp{os.getpid()}")
+        save_file(self._pending, tmp, metadata={"format": "pt"})
+        os.replace(tmp, os.path.join(self.directory, file))
+        self._files.append((file, list(self._pending)))
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> None:
+        if self._pending or not self._files:
+            self._flush()
+        total = sum(t for t in self._sizes)
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {k: f for f, keys in self._files for k in keys},
+        }
+        path = os.path.join(self.directory, self.index_file)
+        tmp = path + f".tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+
+
+class ShardReader:
+    """Read a tensor set written by ShardWriter, one tensor (or one slice of it) at a time."""
+
+    def __init__(self, directory: str, name: str) -> None:
+        path = os.path.join(directory, f"{name}.index.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{directory}: tensor set {name!r} is missing ({name}.index.json)")
+        with open(path, encoding="utf-8") as f:
+            self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+        self.directory = directory
+
+    def keys(self) -> list[str]:
+        return list(self.weight_map)
+
+    def get(self, key: str) -> torch.Tensor:
+        # open per tensor: the mapping is released right after, so memory stays at one tensor
+        with safe_open(os.path.join(self.directory, self.weight_map[key]), framework="pt") as f:
+            return f.get_tensor(key)
+
+    def get_slice(self, key: str, index: tuple) -> torch.Tensor:
+        with safe_open(os.path.join(self.directory, self.weight_map[key]), framework="pt") as f:
+            return f.get_slice(key)[index]
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for key in self.weight_map:
+            yield key, self.get(key)
+
+
+def write_layout(directory: str, meta: dict) -> None:
+    path = os.path.join(directory, "layout.json")
+    tmp = path + f".tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"format": FORMAT, **meta}, f, indent=2)
+    os.replace(tmp, path)
+
+
+def read_layout(directory: str) -> dict:
+    path = os.path.join(directory, "layout.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{directory!r} is not a glm53_ds checkpoint (no layout.json)")
+    with open(path, encoding="utf-8") as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: unknown checkpoint format {meta.get('format')!r} (expected {FORMAT})")
+    return meta

@@ -1,0 +1,192 @@
+"""Native training layout -> a directory `transformers` loads (the released naming), streaming.
+
+Each released tensor is read as the slices it needs from the native files (an expert's rows from every ETP
+shard of its EP rank), written through a size-bounded writer, and the directory is built under a temporary name
+and renamed when complete (an existing output is refused without `force`). Tensors the training model does not
+hold (the vision tower) are copied unchanged from `template`; `config.json` is the one the weights came from
+(kept verbatim in the native checkpoint), else the template's, else generated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..config import Glm53Config
+from .names import Placement, released_layout
+from .native_format import DEFAULT_SHARD_BYTES, ShardReader, ShardWriter, expert_set_name, read_layout
+
+SMALL_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32,
+                    projection_intermediate_size=32)  # fmt: skip
+_EXPERT_NATIVE = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def native_root(ckpt: str) -> str:
+    """`ckpt` may be the checkpoint directory (with `latest`), a tag directory, or its `glm53/` directory."""
+    for candidate in (ckpt, os.path.join(ckpt, "glm53")):
+        if os.path.isfile(os.path.join(candidate, "layout.json")):
+            return candidate
+    latest = os.path.join(ckpt, "latest")
+    if os.path.isfile(latest):
+        with open(latest, encoding="utf-8") as f:
+            return os.path.join(ckpt, f.read().strip(), "glm53")
+    raise FileNotFoundError(f"{ckpt!r} is not a glm53_ds checkpoint (no layout.json, no 'latest')")
+
+
+class NativeCheckpoint:
+    def __init__(self, ckpt: str) -> None:
+        self.root = native_root(ckpt)
+        self.meta = read_layout(self.root)
+        self.cfg = Glm53Config.from_text_dict(self.meta["config"])
+        self.ep, self.etp = self.meta["ep"], self.meta["etp"]
+        self.replicated = ShardReader(self.root, "replicated")
+        self.experts = {
+            (e, t): ShardReader(self.root, expert_set_name(e, t))
+            for e in range(self.ep)
+            for t in range(self.etp)
+        }
+        self.mtp = any(k.startswith("mtp.") for k in self.replicated.keys())
+
+    def read(self, p: Placement) -> torch.Tensor:
+        """The part of the full native tensor `p` points at, assembled from the shards."""
+        if not _EXPERT_NATIVE.search(p.native):
+            return self.replicated.get_slice(p.native, p.index) if p.index else self.replicated.get(p.native)
+        local = self.cfg.n_routed_experts // self.ep
+        inner = self.cfg.moe_intermediate_size // self.etp
+        expert = p.index[0]
+        assert isinstance(expert, int)
+        ep_rank, e = divmod(expert, local)
+        shards = [self.experts[(ep_rank, t)] for t in range(self.etp)]
+        if p.native.endswith("down_proj"):  # [E_l, D, I_l] -> [D, I]
+            return torch.cat([s.get_slice(p.native, (slice(e, e + 1),))[0] for s in shards], dim=1)
+        rows = p.index[1]
+        assert isinstance(rows, slice)
+        half = 0 if rows.start == 0 else inner  # gate rows, then up rows, in each shard
+        return torch.cat(
+            [s.get_slice(p.native, (slice(e, e + 1), slice(half, half + inner)))[0] for s in shards]
+        )
+
+    def full_tensor(self, native: str) -> torch.Tensor:
+        """A whole native tensor as a single-process (EP = ETP = 1) model holds it."""
+        if not _EXPERT_NATIVE.search(native):
+            return self.replicated.get(native)
+        per_ep = []
+        for e in range(self.ep):
+            parts = [self.experts[(e, t)].get(native) for t in range(self.etp)]
+            if native.endswith("gate_up_proj"):
+                half = parts[0].shape[1] // 2
+                per_ep.append(
+                    torch.cat(
+                        [
+                            torch.cat([p[:, :half] for p in parts], 1),
+                            torch.cat([p[:, half:] for p in parts], 1),
+                        ],
+                        1,
+                    )
+                )
+            else:
+                per_ep.append(torch.cat(parts, dim=2))
+        return torch.cat(per_ep)
+
+    def released(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, placements in released_layout(self.cfg, mtp=self.mtp).items():
+            pieces = [self.read(p) for p in placements]
+            yield name, pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def hf_config(self, template: str | None) -> dict[str, Any]:
+        kept = os.path.join(self.root, "hf_config.json")
+        source = kept if os.path.isfile(kept) else os.path.join(template, "config.json") if template else None
+        if source:
+            with open(source, encoding="utf-8") as f:
+                config = json.load(f)
+            if source != kept:  # a template's: carry the trained text fields
+                text = self.cfg.to_text_dict()
+                (config["text_config"] if "text_config" in config else config).update(text)
+            return config
+        return dict(architectures=["Glm5NextForConditionalGeneration"], model_type="glm5_next",
+                    text_config=self.cfg.to_text_dict(), vision_config=SMALL_VISION,
+                    tie_word_embeddings=self.cfg.tie_word_embeddings, dtype="float32")  # fmt: skip
+
+
+def native_to_hf(
+    ckpt: str, out: str, hf_template: str | None = None, force: bool = False,
+    shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = False,
+) -> str:  # fmt: skip
+    if os.path.exists(out) and not force:
+        raise FileExistsError(f"{out!r} exists; refusing to overwrite (use --force)")
+    native = NativeCheckpoint(ckpt)
+    tmp = f"{out.rstrip('/')}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    writer = ShardWriter(tmp, "model", shard_bytes, index_file="model.safetensors.index.json")
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(desc="export", unit="tensor")
+    for name, tensor in native.released():
+        writer.add(name, tensor)
+        if bar is not None:
+            bar.update(1)
+    if hf_template:
+        from .hf_to_native import HFSource
+
+        source = HFSource(hf_template)
+        for name in source.weight_map:
+            if name.startswith(("model.visual.", "visual.")):
+                writer.add(name, source.raw(name))  # unchanged, bytes and dtype
+    writer.close()
+    with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(native.hf_config(hf_template), f, indent=2)
+    if (
+        hf_template
+        and os.path.isfile(os.path.join(hf_template, "config.json"))
+        and os.path.isfile(os.path.join(native.root, "hf_config.json"))
+    ):
+        shutil.copyfile(
+            os.path.join(native.root, "hf_config.json"), os.path.join(tmp, "config.json")
+        )  # verbatim
+    if os.path.exists(out):
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def export_engine_to_hf(
+    engine: Any, layout: Any, cfg: Glm53Config, out_dir: str, template: str | None = None
+) -> None:
+    """From a running job: write a checkpoint next to the output, then rank 0 converts it."""
+    import torch.distributed as dist
+
+    from ..parallel.checkpoint import save_checkpoint
+
+    work = f"{out_dir.rstrip('/')}.native"
+    tag_dir = save_checkpoint(engine, layout, work, "export")
+    if dist.get_rank() == 0:
+        if template:
+            shutil.copyfile(
+                os.path.join(template, "config.json"), os.path.join(tag_dir, "glm53", "hf_config.json")
+            )
+        native_to_hf(tag_dir, out_dir, hf_template=template, force=True)
+        shutil.rmtree(work, ignore_errors=True)
+    dist.barrier()
+
+
+def load_native(ckpt: str, dtype: torch.dtype = torch.float32) -> Any:
+    """A native checkpoint (any EP x ETP layout) as a single-process Glm53Model."""
+    from ..model import build_model
+
+    native = NativeCheckpoint(ckpt)
+    model = build_model(native.cfg, dtype=dtype, mtp=native.mtp)
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, target in state.items():
+            if name.endswith("_extra_state") or target is None:
+                continue
+            target.copy_(native.full_tensor(name).to(target.dtype))
+    return model
