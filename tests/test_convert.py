@@ -17,10 +17,10 @@ from safetensors.torch import load_file, save_file
 import glm53_ds
 from glm53_ds.config import Glm53Config
 from glm53_ds.convert import hf_to_native, native_to_hf, verify
+from glm53_ds.convert.export_hf import load_native
 from glm53_ds.convert.fp8 import quantize_fp8
-from glm53_ds.convert.hf_to_native import ConversionError
+from glm53_ds.convert.import_hf import ConversionError
 from glm53_ds.convert.names import TEXT_PREFIX, released_layout, released_tensors
-from glm53_ds.convert.native_to_hf import load_native
 from tests.model_fixtures import CONFIG_A, load_hf_reference, perturb_, rel_err, save_tiny_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -179,7 +179,7 @@ BIG = dict(CONFIG_A, hidden_size=128, moe_intermediate_size=128, intermediate_si
 _MEASURE = """
 import resource, sys, torch
 from glm53_ds.convert import hf_to_native
-import glm53_ds.model, glm53_ds.convert.hf_to_native  # imports count as baseline
+import glm53_ds.model, glm53_ds.convert.import_hf  # imports count as baseline
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 if sys.argv[1] == "convert":
     hf_to_native(sys.argv[2], sys.argv[3], ep=2, etp=2, shard_bytes=int(sys.argv[4]))

@@ -181,9 +181,9 @@ def test_readme_main_job_command_lowers_loss(tmp_path):
 def _tiny_hf_checkpoint(path) -> None:
     """A released-layout checkpoint of the tiny preset (with MTP), written in-process."""
     import glm53_ds
+    from glm53_ds.convert.export_hf import SMALL_VISION
     from glm53_ds.convert.names import released_tensors
     from glm53_ds.convert.native_format import ShardWriter
-    from glm53_ds.convert.native_to_hf import SMALL_VISION
     from glm53_ds.training.presets import tiny
 
     cfg = tiny()

@@ -10,13 +10,13 @@ from typing import Any
 
 
 def hf_to_native(*args: Any, **kwargs: Any) -> str:
-    from .hf_to_native import hf_to_native as run
+    from .import_hf import hf_to_native as run
 
     return run(*args, **kwargs)
 
 
 def native_to_hf(*args: Any, **kwargs: Any) -> str:
-    from .native_to_hf import native_to_hf as run
+    from .export_hf import native_to_hf as run
 
     return run(*args, **kwargs)
 

@@ -33,12 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "hf-to-native":
-            from .hf_to_native import hf_to_native
+            from .import_hf import hf_to_native
 
             hf_to_native(args.hf_dir, args.out, ep=args.ep, etp=args.etp, dtype=DTYPES.get(args.dtype or ""),
                          force=args.force, progress=True)  # fmt: skip
         elif args.command == "native-to-hf":
-            from .native_to_hf import native_to_hf
+            from .export_hf import native_to_hf
 
             native_to_hf(args.ckpt, args.out, hf_template=args.hf_template, force=args.force, progress=True)
         else:

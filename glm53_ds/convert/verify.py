@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import torch
 
-from .hf_to_native import HFSource
-from .native_to_hf import NativeCheckpoint
+from .export_hf import NativeCheckpoint
+from .import_hf import HFSource
 
 
 def verify(hf_dir: str, ckpt: str, out: Callable[..., object] = print) -> float:

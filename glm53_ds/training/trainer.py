@@ -339,7 +339,7 @@ def train(args: Any) -> dict[str, Any]:
         if os.path.getsize(writer.path):
             plot_loss(writer.path, os.path.join(env["output_dir"], "loss.png"))
     if args.export_hf:
-        from ..convert.native_to_hf import export_engine_to_hf
+        from ..convert.export_hf import export_engine_to_hf
 
         export_engine_to_hf(engine, layout, cfg, args.export_hf, template=args.hf_dir)
     return last

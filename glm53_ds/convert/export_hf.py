@@ -134,7 +134,7 @@ def native_to_hf(
         if bar is not None:
             bar.update(1)
     if hf_template:
-        from .hf_to_native import HFSource
+        from .import_hf import HFSource
 
         source = HFSource(hf_template)
         for name in source.weight_map:
