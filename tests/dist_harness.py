@@ -14,6 +14,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from glm53_ds.compat.deepspeed_shm import remove_buffers
 from glm53_ds.parallel.initialize import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,6 +70,7 @@ def _launch(world: int, scenario: str, out_dir: str, timeout: float, kwargs: dic
         if p.is_alive():
             p.kill()
         p.join()
+    remove_buffers(port)  # DeepSpeed's /dev/shm buffers of ranks that did not exit cleanly
     payloads = []
     for rank in range(world):
         path = os.path.join(out_dir, f"rank{rank}.json")

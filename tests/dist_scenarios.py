@@ -22,6 +22,9 @@ def _setup(ep: int, etp: int):  # type: ignore[no-untyped-def]
 
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        from glm53_ds.compat.deepspeed_shm import register_cleanup
+
+        register_cleanup()
     return initialize(ep, etp)
 
 

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from glm53_ds.compat.deepspeed_shm import remove_buffers
 from glm53_ds.parallel.initialize import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,9 +22,13 @@ TRAIN = os.path.join(ROOT, "launch", "train.py")
 def deepspeed_run(
     ranks: int, *args: str, env: dict | None = None, timeout: int = 600
 ) -> subprocess.CompletedProcess:
-    cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()), TRAIN, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})  # fmt: skip
+    port = free_port()
+    cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(port), TRAIN, *args]
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})  # fmt: skip
+    finally:
+        remove_buffers(port)  # DeepSpeed's /dev/shm buffers of ranks killed on purpose
 
 
 def python_run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -136,6 +136,10 @@ def _init_distributed() -> None:
 
             os.environ["MASTER_PORT"] = str(free_port())
         deepspeed.init_distributed(dist_backend=default_backend(), verbose=False)
+        if not torch.cuda.is_available():
+            from ..compat.deepspeed_shm import register_cleanup
+
+            register_cleanup()
 
 
 # ----------------------------------------------------------------------------- set-up

@@ -1,0 +1,111 @@
+"""CUDA correctness checks for the GPU-only paths (run by benchmarks/gpu_check.sh on a lent GPU).
+
+- fused Triton hc_post vs the eager path and an fp64 reference, forward and backward, bf16/fp32, at the real size
+  (16k tokens, D=4096, H=4) and at awkward shapes (H=1,3,8; D not a multiple of the block; strided inputs);
+- fla-core's KDA kernel vs the torch chunked path (when `fla` is installed), forward and input gradients.
+Tolerances as in tests/test_hc_post.py; KDA: relative max error <= 2e-2 in bf16, <= 1e-3 in fp32.
+`--device cpu --small` runs the same checks through Triton's interpreter for a dry run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def check_hc_post(device: torch.device, small: bool) -> list[dict]:
+    from glm53_ds.mhc import hc_post
+
+    rows = []
+    shapes = [(64, 4, 4096), (37, 3, 1000), (16, 1, 96), (16, 8, 515)] if small else [
+        (16384, 4, 4096), (4096, 3, 1000), (1024, 1, 4096), (2048, 8, 2051)]  # fmt: skip
+    for tokens, n, d in shapes:
+        for dtype in (torch.bfloat16, torch.float32):
+            g = torch.Generator(device=device).manual_seed(0)
+            x = torch.randn(tokens, d, device=device, generator=g).to(dtype)
+            r = torch.randn(tokens, d, n, device=device, generator=g).to(dtype).transpose(-1, -2)  # strided
+            p = 2 * torch.rand(tokens, n, device=device, generator=g)
+            c = torch.softmax(torch.randn(tokens, n, n, device=device, generator=g), -1)
+            grads = {}
+            for backend in ("triton", "eager"):
+                leaves = [t.clone().requires_grad_(True) for t in (x, r, p, c)]
+                out = hc_post(*leaves, backend=backend)
+                out.backward(torch.ones_like(out))
+                grads[backend] = (out.detach(), [t.grad for t in leaves])
+            ref = p.to(dtype).double().unsqueeze(-1) * x.double().unsqueeze(-2) + torch.matmul(
+                c.to(dtype).double().transpose(-1, -2), r.double())  # fmt: skip
+            (o_t, g_t), (o_e, g_e) = grads["triton"], grads["eager"]
+            fwd_ok = torch.equal(o_t, o_e) if dtype != torch.float32 else rel(o_t, o_e) <= 1e-6
+            bwd_err = max(rel(a, b) for a, b in zip(g_t, g_e, strict=True))
+            rows.append(dict(check="hc_post", shape=f"{tokens}x{n}x{d}", dtype=str(dtype)[6:], fwd_vs_eager_equal=fwd_ok,
+                             fwd_vs_fp64=rel(o_t, ref), bwd_vs_eager=bwd_err,
+                             ok=fwd_ok and bwd_err <= (1e-2 if dtype != torch.float32 else 1e-5)))  # fmt: skip
+    return rows
+
+
+def check_kda(device: torch.device, small: bool) -> list[dict]:
+    from glm53_ds.layers import kda_ops
+
+    if not (device.type == "cuda" and kda_ops._fla_available()):
+        return [
+            dict(check="kda fla vs torch", shape="-", dtype="-", ok=None, note="fla not installed or no CUDA")
+        ]
+    from fla.ops.kda import chunk_kda
+
+    rows = []
+    b, s, h, d = (1, 256, 2, 64) if small else (1, 4096, 8, 128)
+    for dtype in (torch.bfloat16, torch.float32):
+        g = torch.Generator(device=device).manual_seed(1)
+        q, k, v = (torch.randn(b, s, h, d, device=device, generator=g).to(dtype) for _ in range(3))
+        gate = (-5 * torch.sigmoid(torch.randn(b, s, h, d, device=device, generator=g))).float()
+        beta = torch.sigmoid(torch.randn(b, s, h, device=device, generator=g)).to(dtype)
+        outs = {}
+        for name in ("torch", "fla"):
+            leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            if name == "torch":
+                o = kda_ops.chunk_kda_torch(*leaves, gate, beta)
+            else:
+                o, _ = chunk_kda(
+                    q=leaves[0], k=leaves[1], v=leaves[2], g=gate, beta=beta, use_qk_l2norm_in_kernel=True
+                )
+            o.float().square().mean().backward()
+            outs[name] = (o.detach(), [t.grad for t in leaves])
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-3
+        fwd = rel(outs["fla"][0], outs["torch"][0])
+        bwd = max(rel(a, b) for a, b in zip(outs["fla"][1], outs["torch"][1], strict=True))
+        rows.append(dict(check="kda fla vs torch", shape=f"{b}x{s}x{h}x{d}", dtype=str(dtype)[6:], fwd=fwd, bwd=bwd,
+                         ok=fwd <= tol and bwd <= 5 * tol))  # fmt: skip
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--small", action="store_true")
+    args = parser.parse_args()
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from benchmarks.measure import device_description, write_results
+
+    device = torch.device(args.device)
+    rows = check_hc_post(device, args.small) + check_kda(device, args.small)
+    for r in rows:
+        print(r)
+    write_results(f"gpu_correctness_{device.type}", dict(device=device_description(device), rows=rows))
+    failed = [r for r in rows if r.get("ok") is False]
+    print(f"gpu_correctness {'FAILED' if failed else 'ok'}: {len(rows) - len(failed)}/{len(rows)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
