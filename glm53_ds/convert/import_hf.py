@@ -9,6 +9,7 @@ The output directory is built under a temporary name and renamed when complete.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -124,13 +125,20 @@ class HFSource:
         return split_to_released(canonical_text_name(stored) or stored, tensor, cfg)[piece][1].clone()
 
 
-def expected_native_shapes(cfg: Glm53Config, mtp: bool) -> dict[str, tuple[int, ...]]:
-    """Shapes of the full (EP = ETP = 1) native state dict, from the model definition built on the meta device."""
+@functools.lru_cache(maxsize=4)
+def _shapes_cached(config_json: str, mtp: bool) -> tuple[tuple[str, tuple[int, ...]], ...]:
     from ..model import build_model
 
+    cfg = Glm53Config.from_text_dict(json.loads(config_json))
     with torch.device("meta"):
         model = build_model(cfg, mtp=mtp)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    return tuple((k, tuple(v.shape)) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor))
+
+
+def expected_native_shapes(cfg: Glm53Config, mtp: bool) -> dict[str, tuple[int, ...]]:
+    """Shapes of the full (EP = ETP = 1) native state dict, from the model definition built on the meta device
+    (no weights; its size depends on the layer count, not on the tensors)."""
+    return dict(_shapes_cached(json.dumps(cfg.to_text_dict(), sort_keys=True), mtp))
 
 
 def _check(
@@ -227,9 +235,8 @@ def hf_to_native(
             writer = ShardWriter(root, expert_set_name(ep_rank, etp_rank), shard_bytes)
             rows = slice(etp_rank * inner, (etp_rank + 1) * inner)
             for native in expert_natives:
-                stacked = []
-                for e in range(ep_rank * local, (ep_rank + 1) * local):
-                    prefix = native.rsplit(".", 1)[0]  # ...mlp.experts
+                tensor: torch.Tensor | None = None  # this shard's stacked experts, filled in place
+                for i, e in enumerate(range(ep_rank * local, (ep_rank + 1) * local)):
                     released_prefix = _released_expert_prefix(layout, native, e)
                     if native.endswith("gate_up_proj"):
                         gate = source.read_released(
@@ -242,16 +249,24 @@ def hf_to_native(
                             available[f"{released_prefix}.up_proj.weight"],
                             cfg,
                         )
-                        stacked.append(torch.cat([gate[rows], up[rows]]))
+                        if tensor is None:
+                            tensor = gate.new_empty((local, 2 * inner, gate.shape[1]))
+                        tensor[i, :inner] = gate[rows]
+                        tensor[i, inner:] = up[rows]
+                        del gate, up
                     else:
                         down = source.read_released(
                             f"{released_prefix}.down_proj.weight",
                             available[f"{released_prefix}.down_proj.weight"],
                             cfg,
                         )
-                        stacked.append(down[:, rows].contiguous())
-                    del prefix
-                writer.add(native, convert(torch.stack(stacked)))
+                        if tensor is None:
+                            tensor = down.new_empty((local, down.shape[0], inner))
+                        tensor[i] = down[:, rows]
+                        del down
+                assert tensor is not None
+                writer.add(native, convert(tensor))
+                del tensor
                 if etp_rank == 0:
                     bar(local * (2 if native.endswith("gate_up_proj") else 1))
             writer.close()
