@@ -235,7 +235,7 @@ def hf_to_native(
             writer = ShardWriter(root, expert_set_name(ep_rank, etp_rank), shard_bytes)
             rows = slice(etp_rank * inner, (etp_rank + 1) * inner)
             for native in expert_natives:
-                tensor: torch.Tensor | None = None  # this shard's stacked experts, filled in place
+                stacked: torch.Tensor | None = None  # this shard's stacked experts, filled in place
                 for i, e in enumerate(range(ep_rank * local, (ep_rank + 1) * local)):
                     released_prefix = _released_expert_prefix(layout, native, e)
                     if native.endswith("gate_up_proj"):
@@ -249,10 +249,10 @@ def hf_to_native(
                             available[f"{released_prefix}.up_proj.weight"],
                             cfg,
                         )
-                        if tensor is None:
-                            tensor = gate.new_empty((local, 2 * inner, gate.shape[1]))
-                        tensor[i, :inner] = gate[rows]
-                        tensor[i, inner:] = up[rows]
+                        if stacked is None:
+                            stacked = gate.new_empty((local, 2 * inner, gate.shape[1]))
+                        stacked[i, :inner] = gate[rows]
+                        stacked[i, inner:] = up[rows]
                         del gate, up
                     else:
                         down = source.read_released(
@@ -260,13 +260,13 @@ def hf_to_native(
                             available[f"{released_prefix}.down_proj.weight"],
                             cfg,
                         )
-                        if tensor is None:
-                            tensor = down.new_empty((local, down.shape[0], inner))
-                        tensor[i] = down[:, rows]
+                        if stacked is None:
+                            stacked = down.new_empty((local, down.shape[0], inner))
+                        stacked[i] = down[:, rows]
                         del down
-                assert tensor is not None
-                writer.add(native, convert(tensor))
-                del tensor
+                assert stacked is not None
+                writer.add(native, convert(stacked))
+                del stacked
                 if etp_rank == 0:
                     bar(local * (2 if native.endswith("gate_up_proj") else 1))
             writer.close()
