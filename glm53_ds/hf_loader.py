@@ -11,16 +11,13 @@ MTP: loaded when the checkpoint has the MTP layer (`layers.<num_hidden_layers>.*
 
 from __future__ import annotations
 
-import json
-import os
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 
 from .config import Glm53Config
+from .convert.import_hf import HFSource
 from .convert.names import (
     Placement,
     canonical_text_name,
@@ -36,43 +33,8 @@ class CheckpointError(ValueError):
     """A checkpoint that does not match the model; the message lists every offending tensor."""
 
 
-class SafetensorsCheckpoint:
-    """Read-only view of a directory of safetensors shards (with or without `model.safetensors.index.json`)."""
-
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
-        index = os.path.join(directory, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            with open(index, encoding="utf-8") as f:
-                self.weight_map: dict[str, str] = json.load(f)["weight_map"]
-        else:
-            files = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
-            if not files:
-                raise FileNotFoundError(f"no *.safetensors files in {directory!r}")
-            self.weight_map = {}
-            for name in files:
-                with safe_open(os.path.join(directory, name), framework="pt") as f:
-                    for key in f.keys():
-                        self.weight_map[key] = name
-        missing_files = sorted(
-            {f for f in self.weight_map.values() if not os.path.isfile(os.path.join(directory, f))}
-        )
-        if missing_files:
-            raise FileNotFoundError(f"{directory}: index names shard(s) that do not exist: {missing_files}")
-
-    def keys(self) -> list[str]:
-        return list(self.weight_map)
-
-    def tensors(self, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) one at a time, grouped by shard file."""
-        wanted = self.keys() if names is None else names
-        by_file: dict[str, list[str]] = {}
-        for n in wanted:
-            by_file.setdefault(self.weight_map[n], []).append(n)
-        for file, file_names in by_file.items():
-            with safe_open(os.path.join(self.directory, file), framework="pt") as f:
-                for n in file_names:
-                    yield n, f.get_tensor(n)
+# The released-layout reader lives with the converter (one implementation, read one tensor at a time).
+SafetensorsCheckpoint = HFSource
 
 
 def checkpoint_has_mtp(names: list[str], cfg: Glm53Config) -> bool:

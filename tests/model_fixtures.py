@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -125,3 +126,25 @@ def hf_grads_by_native(hf_model, cfg, mtp: bool = False) -> dict[str, list[tuple
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def add_mtp_tensors(path, seed: int = 7) -> dict[str, torch.Tensor]:
+    """Add random MTP tensors, under their released names, to a `save_pretrained` checkpoint (transformers' model
+    has no MTP layer); returns them."""
+    from safetensors.torch import load_file, save_file
+
+    import glm53_ds
+    from glm53_ds.config import Glm53Config
+    from glm53_ds.convert.names import TEXT_PREFIX, released_tensors
+
+    cfg = Glm53Config.from_hf(path)
+    donor = glm53_ds.build_model(cfg, mtp=True)
+    perturb_(donor.mtp, seed=seed)
+    n = cfg.num_hidden_layers
+    names = [k for k in released_layout(cfg, mtp=True) if k.startswith(f"{TEXT_PREFIX}layers.{n}.")]
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    added = {k: v.contiguous() for k, v in released_tensors(donor.state_dict(), cfg, True, names)}
+    tensors.update(added)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return added

@@ -14,13 +14,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import glm53_ds
-from glm53_ds.config import Glm53Config
 from glm53_ds.convert import hf_to_native, native_to_hf, verify
 from glm53_ds.convert.export_hf import load_native
 from glm53_ds.convert.fp8 import quantize_fp8
 from glm53_ds.convert.import_hf import ConversionError
-from glm53_ds.convert.names import TEXT_PREFIX, released_layout, released_tensors
-from tests.model_fixtures import CONFIG_A, load_hf_reference, perturb_, rel_err, save_tiny_hf
+from tests.model_fixtures import CONFIG_A, add_mtp_tensors, load_hf_reference, rel_err, save_tiny_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,14 +35,7 @@ def hf_with_mtp(tmp_path_factory):
     """save_pretrained output (text + vision) plus MTP tensors under their released names."""
     path = tmp_path_factory.mktemp("conv_hf")
     save_tiny_hf(path, CONFIG_A)
-    cfg = Glm53Config.from_hf(path)
-    donor = glm53_ds.build_model(cfg, mtp=True)
-    perturb_(donor.mtp, seed=9)
-    n = cfg.num_hidden_layers
-    names = [k for k in released_layout(cfg, mtp=True) if k.startswith(f"{TEXT_PREFIX}layers.{n}.")]
-    tensors = load_file(path / "model.safetensors")
-    tensors.update({k: v.contiguous() for k, v in released_tensors(donor.state_dict(), cfg, True, names)})
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    add_mtp_tensors(path, seed=9)
     return path
 
 

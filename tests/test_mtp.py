@@ -10,13 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
 import glm53_ds
 from glm53_ds.config import Glm53Config
-from glm53_ds.convert.names import TEXT_PREFIX, released_layout, released_tensors
+from glm53_ds.convert.names import TEXT_PREFIX
 from tests.hf_reference import hf_modeling, hf_text_config
-from tests.model_fixtures import CONFIG_A, batch, load_hf_reference, perturb_, rel_err, save_tiny_hf
+from tests.model_fixtures import CONFIG_A, add_mtp_tensors, batch, load_hf_reference, rel_err, save_tiny_hf
 
 
 @pytest.fixture(scope="module")
@@ -24,15 +23,7 @@ def checkpoint_with_mtp(tmp_path_factory):
     """A save_pretrained checkpoint plus random MTP tensors under their released names."""
     path = tmp_path_factory.mktemp("hf_mtp")
     save_tiny_hf(path, CONFIG_A)
-    cfg = Glm53Config.from_hf(path)
-    donor = glm53_ds.build_model(cfg, mtp=True)
-    perturb_(donor.mtp, seed=7)
-    n = cfg.num_hidden_layers
-    mtp_names = [k for k in released_layout(cfg, mtp=True) if k.startswith(f"{TEXT_PREFIX}layers.{n}.")]
-    tensors = load_file(path / "model.safetensors")
-    tensors.update({k: v.contiguous() for k, v in released_tensors(donor.state_dict(), cfg, True, mtp_names)})
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    return path, cfg, {k: tensors[k] for k in mtp_names}
+    return path, Glm53Config.from_hf(path), add_mtp_tensors(path, seed=7)
 
 
 def _sub(tensors, prefix):

@@ -14,7 +14,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -55,6 +55,19 @@ class HFSource:
                     self.weight_map.update({k: name for k in f.keys()})
         if not self.weight_map:
             raise FileNotFoundError(f"{directory!r}: no safetensors weights")
+        missing_files = sorted(
+            {f for f in self.weight_map.values() if not os.path.isfile(os.path.join(directory, f))}
+        )
+        if missing_files:
+            raise FileNotFoundError(f"{directory}: index names shard(s) that do not exist: {missing_files}")
+
+    def keys(self) -> list[str]:
+        return list(self.weight_map)
+
+    def tensors(self, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(stored name, tensor as stored) one at a time."""
+        for name in self.keys() if names is None else names:
+            yield name, self.raw(name)
 
     def raw(self, name: str) -> torch.Tensor:
         with safe_open(os.path.join(self.directory, self.weight_map[name]), framework="pt") as f:
