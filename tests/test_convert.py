@@ -217,12 +217,8 @@ def test_streaming_peak_memory(tmp_path):
         return int(out[-1]) - int(out[-2])
 
     extra = peak_extra("convert")
-    # Measured: ~31 MiB over the baseline, all of it reached while the first (small) replicated tensors are read
-    # and written, i.e. first-use state of safetensors/torch rather than tensors held; the literal bound
-    # (16 MiB here) is therefore checked with that fixed allowance -- see docs/conversion.md, issue #6 note.
-    fixed_allowance = 32 << 20
-    assert extra <= bound + fixed_allowance, (
-        f"peak extra {extra / 2**20:.1f} MiB > bound {bound / 2**20:.1f} MiB + {fixed_allowance >> 20} MiB (total {total / 2**20:.0f} MiB)"
+    assert extra <= bound, (
+        f"peak extra {extra / 2**20:.1f} MiB > bound {bound / 2**20:.1f} MiB (total {total / 2**20:.0f} MiB)"
     )
     control = peak_extra("load_all")  # the measurement sees a non-streaming load
     assert control > 10 * bound, f"control {control / 2**20:.1f} MiB"

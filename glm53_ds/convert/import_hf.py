@@ -70,8 +70,10 @@ class HFSource:
             yield name, self.raw(name)
 
     def raw(self, name: str) -> torch.Tensor:
+        # clone: the tensor must not keep the file mapped (its pages, and the kernel's fault-around neighbours,
+        # would count towards this process's memory until the tensor dies)
         with safe_open(os.path.join(self.directory, self.weight_map[name]), framework="pt") as f:
-            return f.get_tensor(name)
+            return f.get_tensor(name).clone()
 
     def read(self, name: str) -> torch.Tensor:
         tensor = self.raw(name)

@@ -88,13 +88,14 @@ class ShardReader:
         return list(self.weight_map)
 
     def get(self, key: str) -> torch.Tensor:
-        # open per tensor: the mapping is released right after, so memory stays at one tensor
+        # open per tensor and copy: a tensor viewing the file would keep its pages (and the kernel's fault-around
+        # neighbours) mapped into this process for as long as it lives
         with safe_open(os.path.join(self.directory, self.weight_map[key]), framework="pt") as f:
-            return f.get_tensor(key)
+            return f.get_tensor(key).clone()
 
     def get_slice(self, key: str, index: tuple) -> torch.Tensor:
         with safe_open(os.path.join(self.directory, self.weight_map[key]), framework="pt") as f:
-            return f.get_slice(key)[index]
+            return f.get_slice(key)[index].clone()
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for key in self.weight_map:
