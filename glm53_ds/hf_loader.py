@@ -21,8 +21,8 @@ from .convert.import_hf import HFSource
 from .convert.names import (
     Placement,
     canonical_text_name,
+    is_mtp_name,
     is_mtp_shared_duplicate,
-    mtp_layer_indices,
     released_layout,
     split_to_released,
 )
@@ -38,12 +38,7 @@ SafetensorsCheckpoint = HFSource
 
 
 def checkpoint_has_mtp(names: list[str], cfg: Glm53Config) -> bool:
-    layer_prefixes = tuple(f"layers.{i}." for i in mtp_layer_indices(cfg))
-    return any(
-        (c := canonical_text_name(n)) is not None
-        and c.split("language_model.", 1)[-1].startswith(layer_prefixes)
-        for n in names
-    )
+    return any(is_mtp_name(n, cfg) for n in names)
 
 
 @dataclass(frozen=True)
@@ -108,7 +103,7 @@ def load_hf_state_into(
         name = canonical_text_name(raw_name)
         if name is None or is_mtp_shared_duplicate(name, cfg):
             continue
-        if not mtp and checkpoint_has_mtp([name], cfg):
+        if not mtp and is_mtp_name(name, cfg):
             continue  # MTP weights present but MTP not wanted
         for released, piece in split_to_released(name, tensor, cfg):
             placements = layout.get(released)

@@ -89,10 +89,7 @@ class Glm53Model(nn.Module):
         mask = self._check_inputs(input_ids, attention_mask, labels)
         if next_tokens is not None and labels is not None:
             labels = torch.cat([labels, next_tokens.to(labels.dtype)], dim=1)
-        x = self.embedding(input_ids).transpose(0, 1)  # [b, s, D] -> [s, b, D]
-        streams = expand_streams(x, self.glm.hc_mult)  # [s, b, n, D]
-        streams = self.decoder(streams, attention_mask=mask)
-        hidden = hc_head(streams)  # [s, b, D], before the final norm (MTP reads it)
+        hidden = self._hidden(input_ids, mask)  # [s, b, D]
         logits = self._logits(self.final_norm(hidden))
         if labels is None:
             return logits
@@ -100,7 +97,13 @@ class Glm53Model(nn.Module):
         self.last_losses = {"lm_loss": lm_loss.item()}
         loss = lm_loss
         if self.mtp is not None:
-            mtp_loss = torch.stack(self._mtp_losses(hidden, input_ids, mask, labels)).mean()
+            normed = self._mtp_normed(hidden, input_ids, mask)
+            mtp_loss = torch.stack(
+                [
+                    causal_lm_loss(self._logits(n), labels, shift=depth + 1)
+                    for depth, n in enumerate(normed, start=1)
+                ]
+            ).mean()
             self.last_losses["mtp_loss"] = mtp_loss.item()
             loss = loss + self.glm.mtp_loss_weight * mtp_loss
         aux = [a for m in self.modules() if isinstance(a := getattr(m, "aux_loss", None), torch.Tensor)]
@@ -113,17 +116,23 @@ class Glm53Model(nn.Module):
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
         return self.output_layer(normed).float().transpose(0, 1)  # [s, b, V] -> [b, s, V]
 
-    def _mtp_losses(
-        self, hidden: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor
+    def _hidden(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Embedding -> streams -> decoder -> stream mean [s, b, D] (before the final norm; MTP reads it)."""
+        x = self.embedding(input_ids).transpose(0, 1)  # [b, s, D] -> [s, b, D]
+        streams = self.decoder(expand_streams(x, self.glm.hc_mult), attention_mask=mask)  # [s, b, n, D]
+        return hc_head(streams)
+
+    def _mtp_normed(
+        self, hidden: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor
     ) -> list[torch.Tensor]:
+        """Each MTP depth's normed output [s, b, D] (depth k at position t predicts token t + k + 1)."""
         assert self.mtp is not None
-        losses = []
+        out = []
         for depth, layer in enumerate(self.mtp, start=1):
             next_ids, next_mask = shift_left(input_ids, mask, depth)
-            next_embedding = self.embedding(next_ids).transpose(0, 1)
-            hidden, normed = layer(hidden, next_embedding, mask & next_mask)
-            losses.append(causal_lm_loss(self._logits(normed), labels, shift=depth + 1))
-        return losses
+            hidden, normed = layer(hidden, self.embedding(next_ids).transpose(0, 1), mask & next_mask)
+            out.append(normed)
+        return out
 
     def mtp_logits(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
@@ -132,16 +141,7 @@ class Glm53Model(nn.Module):
         if self.mtp is None:
             raise ValueError("this model was built without MTP")
         mask = self._check_inputs(input_ids, attention_mask, None)
-        streams = self.decoder(
-            expand_streams(self.embedding(input_ids).transpose(0, 1), self.glm.hc_mult), attention_mask=mask
-        )
-        hidden = hc_head(streams)
-        out = []
-        for depth, layer in enumerate(self.mtp, start=1):
-            next_ids, next_mask = shift_left(input_ids, mask, depth)
-            hidden, normed = layer(hidden, self.embedding(next_ids).transpose(0, 1), mask & next_mask)
-            out.append(self._logits(normed))
-        return out
+        return [self._logits(n) for n in self._mtp_normed(self._hidden(input_ids, mask), input_ids, mask)]
 
     def _check_inputs(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor | None

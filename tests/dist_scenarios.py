@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tests.model_fixtures import rel_err
+
 BATCH = 2  # sequences per rank per micro-batch
 SEQ = 24
 
@@ -53,11 +55,6 @@ def _batch(vocab: int, world: int, seed: int, micro: int = 1) -> torch.Tensor:
     return torch.randint(1, vocab, (micro, world * BATCH, SEQ), generator=g)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-
 def _local(ids: torch.Tensor, rank: int) -> torch.Tensor:
     return ids[rank * BATCH : (rank + 1) * BATCH]
 
@@ -80,7 +77,7 @@ def _compare_to_reference(
         elif name.endswith("experts.down_proj"):
             theirs = shard_down(theirs, layout.ep, layout.ep_rank, layout.etp, layout.etp_rank)
         kind = "expert" if name.endswith(("gate_up_proj", "down_proj")) else "non_expert"
-        err = _rel(mine.float(), theirs.float())
+        err = rel_err(mine.float(), theirs.float())
         if worst_names is not None and err > worst[kind]:
             worst_names[kind] = name
         worst[kind] = max(worst[kind], err)
@@ -151,13 +148,13 @@ def forward_and_gradients(ckpt: str, ep: int, etp: int) -> dict[str, Any]:
     for patch in (True, False):
         _, model = _models(ckpt, layout, torch.float32)
         with torch.no_grad():
-            out["logits_rel_err"] = _rel(model(_local(ids, rank)), _local(ref_logits, rank))
+            out["logits_rel_err"] = rel_err(model(_local(ids, rank)), _local(ref_logits, rank))
         engine = _engine(
             model, layout, stage=0, dtype=torch.float32, optimizer="sgd", lr=0.0, patch=patch, clip=1e9
         )
         loss = engine(_local(ids, rank), labels=_local(ids, rank))
         with torch.no_grad():
-            out["loss_rel_err"] = _rel(loss.detach(), ref(_local(ids, rank), labels=_local(ids, rank)))
+            out["loss_rel_err"] = rel_err(loss.detach(), ref(_local(ids, rank), labels=_local(ids, rank)))
         engine.backward(loss)
         key = "patched" if patch else "unpatched"
         out[f"grad_err_{key}"] = _compare_to_reference(model, ref, layout, use_grad=True)
@@ -239,9 +236,9 @@ def training_steps(ckpt: str, ep: int, etp: int, cases: list[dict[str, Any]]) ->
                     engine.module, ref, layout, use_grad=False, worst_names=(names := {})
                 ),
                 worst_param=names,
-                ref_update=max(_rel(p.detach().float(), initial[n]) for n, p in ref.named_parameters()),
+                ref_update=max(rel_err(p.detach().float(), initial[n]) for n, p in ref.named_parameters()),
                 update=max(
-                    _rel(p.detach().float(), initial[n])
+                    rel_err(p.detach().float(), initial[n])
                     for n, p in engine.module.named_parameters()
                     if not n.endswith(("gate_up_proj", "down_proj"))
                 ),

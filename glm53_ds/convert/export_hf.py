@@ -99,15 +99,21 @@ class NativeCheckpoint:
             pieces = [self.read(p) for p in placements]
             yield name, pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
-    def hf_config(self, template: str | None) -> dict[str, Any]:
+    def write_hf_config(self, path: str, template: str | None) -> None:
+        """The config.json the weights came from, verbatim; else the template's with the text fields updated;
+        else a generated one."""
         kept = os.path.join(self.root, "hf_config.json")
-        source = kept if os.path.isfile(kept) else os.path.join(template, "config.json") if template else None
-        if source:
-            with open(source, encoding="utf-8") as f:
+        if os.path.isfile(kept):
+            shutil.copyfile(kept, path)
+            return
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self._hf_config(template), f, indent=2)
+
+    def _hf_config(self, template: str | None) -> dict[str, Any]:
+        if template:
+            with open(os.path.join(template, "config.json"), encoding="utf-8") as f:
                 config = json.load(f)
-            if source != kept:  # a template's: carry the trained text fields
-                text = self.cfg.to_text_dict()
-                (config["text_config"] if "text_config" in config else config).update(text)
+            (config["text_config"] if "text_config" in config else config).update(self.cfg.to_text_dict())
             return config
         return dict(architectures=["Glm5NextForConditionalGeneration"], model_type="glm5_next",
                     text_config=self.cfg.to_text_dict(), vision_config=SMALL_VISION,
@@ -141,16 +147,7 @@ def native_to_hf(
             if name.startswith(("model.visual.", "visual.")):
                 writer.add(name, source.raw(name))  # unchanged, bytes and dtype
     writer.close()
-    with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(native.hf_config(hf_template), f, indent=2)
-    if (
-        hf_template
-        and os.path.isfile(os.path.join(hf_template, "config.json"))
-        and os.path.isfile(os.path.join(native.root, "hf_config.json"))
-    ):
-        shutil.copyfile(
-            os.path.join(native.root, "hf_config.json"), os.path.join(tmp, "config.json")
-        )  # verbatim
+    native.write_hf_config(os.path.join(tmp, "config.json"), hf_template)
     if os.path.exists(out):
         shutil.rmtree(out)
     os.replace(tmp, out)

@@ -24,8 +24,8 @@ from .fp8 import dequantize_fp8, is_fp8_scale_name
 from .names import (
     Placement,
     canonical_text_name,
+    is_mtp_name,
     is_mtp_shared_duplicate,
-    mtp_layer_indices,
     released_layout,
     split_to_released,
 )
@@ -111,22 +111,16 @@ class HFSource:
                 out[split_to_released(name, torch.empty(0, device="meta"), cfg)[0][0]] = (stored, None)
         return out
 
+    @staticmethod
+    def _piece(stored: str, piece: int | None, tensor: torch.Tensor, cfg: Glm53Config) -> torch.Tensor:
+        """The released tensor `piece` of a stored one (stored tensors in fused spellings hold several)."""
+        return split_to_released(canonical_text_name(stored) or stored, tensor, cfg)[piece or 0][1]
+
     def released_shape(
         self, released: str, where: tuple[str, int | None], cfg: Glm53Config
     ) -> tuple[int, ...]:
         stored, piece = where
-        shape = self._shape(stored)
-        if piece is None:
-            return tuple(
-                split_to_released(
-                    canonical_text_name(stored) or stored, torch.empty(shape, device="meta"), cfg
-                )[0][1].shape
-            )
-        return tuple(
-            split_to_released(canonical_text_name(stored) or stored, torch.empty(shape, device="meta"), cfg)[
-                piece
-            ][1].shape
-        )
+        return tuple(self._piece(stored, piece, torch.empty(self._shape(stored), device="meta"), cfg).shape)
 
     def _shape(self, name: str) -> list[int]:
         with safe_open(os.path.join(self.directory, self.weight_map[name]), framework="pt") as f:
@@ -134,10 +128,10 @@ class HFSource:
 
     def read_released(self, released: str, where: tuple[str, int | None], cfg: Glm53Config) -> torch.Tensor:
         stored, piece = where
-        tensor = self.read(stored)
-        if piece is None:
-            return split_to_released(canonical_text_name(stored) or stored, tensor, cfg)[0][1]
-        return split_to_released(canonical_text_name(stored) or stored, tensor, cfg)[piece][1].clone()
+        tensor = self._piece(stored, piece, self.read(stored), cfg)
+        return (
+            tensor if piece is None else tensor.clone()
+        )  # a piece of a fused tensor: do not keep the rest alive
 
 
 @functools.lru_cache(maxsize=4)
@@ -163,12 +157,7 @@ def _check(
     source: HFSource,
 ) -> None:
     missing = [n for n in layout if n not in available]
-    mtp_prefixes = tuple(f"layers.{i}." for i in mtp_layer_indices(cfg))
-    extra = [
-        n
-        for n in available
-        if n not in layout and not n.split("language_model.", 1)[-1].startswith(mtp_prefixes)
-    ]
+    extra = [n for n in available if n not in layout and not is_mtp_name(n, cfg)]
     problems = []
     if missing:
         problems.append(f"missing {len(missing)} tensor(s): {', '.join(missing[:20])}")
@@ -196,8 +185,7 @@ def hf_to_native(
         raise FileExistsError(f"{out!r} exists; refusing to overwrite (use --force)")
     source = HFSource(hf_dir, fp8_dtype=dtype or torch.bfloat16)
     available = source.released_names(cfg)
-    mtp_prefixes = tuple(f"{'model.language_model.'}layers.{i}." for i in mtp_layer_indices(cfg))
-    mtp = cfg.num_nextn_predict_layers > 0 and any(n.startswith(mtp_prefixes) for n in available)
+    mtp = cfg.num_nextn_predict_layers > 0 and any(is_mtp_name(n, cfg) for n in available)
     layout = released_layout(cfg, mtp=mtp)
     _check(cfg, available, layout, source)
     shapes = expected_native_shapes(cfg, mtp)
@@ -245,6 +233,15 @@ def hf_to_native(
     # expert shards
     local, inner = cfg.n_routed_experts // ep, cfg.moe_intermediate_size // etp
     expert_natives = [n for n in by_native if _EXPERT_NATIVE.search(n)]
+    # native expert tensor -> expert -> {"gate_proj" | "up_proj" | "down_proj": released name}
+    expert_sources: dict[str, dict[int, dict[str, str]]] = {}
+    for native in expert_natives:
+        for released, p in by_native[native]:
+            expert = p.index[0]
+            assert isinstance(expert, int)
+            expert_sources.setdefault(native, {}).setdefault(expert, {})[released.rsplit(".", 2)[1]] = (
+                released
+            )
     for ep_rank in range(ep):
         for etp_rank in range(etp):
             writer = ShardWriter(root, expert_set_name(ep_rank, etp_rank), shard_bytes)
@@ -252,29 +249,17 @@ def hf_to_native(
             for native in expert_natives:
                 stacked: torch.Tensor | None = None  # this shard's stacked experts, filled in place
                 for i, e in enumerate(range(ep_rank * local, (ep_rank + 1) * local)):
-                    released_prefix = _released_expert_prefix(layout, native, e)
+                    names = expert_sources[native][e]  # "gate_proj"/"up_proj" or "down_proj" -> released name
                     if native.endswith("gate_up_proj"):
-                        gate = source.read_released(
-                            f"{released_prefix}.gate_proj.weight",
-                            available[f"{released_prefix}.gate_proj.weight"],
-                            cfg,
-                        )
-                        up = source.read_released(
-                            f"{released_prefix}.up_proj.weight",
-                            available[f"{released_prefix}.up_proj.weight"],
-                            cfg,
-                        )
+                        gate = source.read_released(names["gate_proj"], available[names["gate_proj"]], cfg)
+                        up = source.read_released(names["up_proj"], available[names["up_proj"]], cfg)
                         if stacked is None:
                             stacked = gate.new_empty((local, 2 * inner, gate.shape[1]))
                         stacked[i, :inner] = gate[rows]
                         stacked[i, inner:] = up[rows]
                         del gate, up
                     else:
-                        down = source.read_released(
-                            f"{released_prefix}.down_proj.weight",
-                            available[f"{released_prefix}.down_proj.weight"],
-                            cfg,
-                        )
+                        down = source.read_released(names["down_proj"], available[names["down_proj"]], cfg)
                         if stacked is None:
                             stacked = down.new_empty((local, down.shape[0], inner))
                         stacked[i] = down[:, rows]
@@ -294,15 +279,6 @@ def hf_to_native(
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
-
-
-def _released_expert_prefix(layout: dict[str, list[Placement]], native: str, expert: int) -> str:
-    """The released `...mlp.experts.<e>` prefix whose tensors land in `native`."""
-    for released, placements in layout.items():
-        for p in placements:
-            if p.native == native and p.index and p.index[0] == expert:
-                return released.rsplit(".", 2)[0]
-    raise KeyError(f"no released tensor for expert {expert} of {native}")
 
 
 def _progress(total: int, enabled: bool) -> Callable[..., object]:

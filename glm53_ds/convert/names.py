@@ -138,6 +138,13 @@ def mtp_layer_indices(cfg: Glm53Config) -> range:
     return range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
 
 
+def is_mtp_name(name: str, cfg: Glm53Config) -> bool:
+    """Whether a (released or stored) text tensor name belongs to an MTP layer (`layers.<num_hidden_layers + d>.`)."""
+    canonical = canonical_text_name(name)
+    prefixes = tuple(f"layers.{i}." for i in mtp_layer_indices(cfg))
+    return canonical is not None and canonical.split("language_model.", 1)[-1].startswith(prefixes)
+
+
 # Duplicates some DeepSeek-style checkpoints store inside the MTP layer; glm53_ds shares the main ones.
 _MTP_SHARED_DUPLICATES = re.compile(r"layers\.(\d+)\.(embed_tokens\.weight|shared_head\.head\.weight)$")
 

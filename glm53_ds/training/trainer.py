@@ -101,7 +101,7 @@ def deepspeed_config(args: Any, world: int, gas: int) -> dict[str, Any]:
     config.update(wanted)
     config.setdefault("steps_per_print", 10**9)
     config.setdefault("zero_allow_untested_optimizer", True)
-    config.pop("optimizer", None) if "optimizer" in config else None
+    config.pop("optimizer", None)  # the trainer builds AdamW itself
     return config
 
 
