@@ -103,7 +103,9 @@ def main() -> int:
         print(r)
     write_results(f"gpu_correctness_{device.type}", dict(device=device_description(device), rows=rows))
     failed = [r for r in rows if r.get("ok") is False]
-    print(f"gpu_correctness {'FAILED' if failed else 'ok'}: {len(rows) - len(failed)}/{len(rows)}")
+    ran = [r for r in rows if r.get("ok") is not None]
+    skipped = f" ({len(rows) - len(ran)} skipped)" if len(ran) < len(rows) else ""
+    print(f"gpu_correctness {'FAILED' if failed else 'ok'}: {len(ran) - len(failed)}/{len(ran)}{skipped}")
     return 1 if failed else 0
 
 

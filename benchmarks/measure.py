@@ -15,7 +15,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# GLM53_BENCH_RESULTS redirects the JSON files (the GPU check's dry run uses it so as not to overwrite results).
+RESULTS_DIR = os.environ.get("GLM53_BENCH_RESULTS") or os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "results"
+)
 
 
 def synchronize(device: torch.device) -> None:

@@ -1,12 +1,20 @@
-"""Forward+backward of glm53_ds vs the transformers reference on the same tiny config and weights.
+"""Forward+backward of glm53_ds vs the transformers reference on the same config and weights.
 
 For each sequence length: tokens/s and peak extra memory of one fwd+bwd step (loss on all tokens), both models
 in one run, reported as ratios ours/HF. Peak memory: CUDA allocator peak on GPU, live tensor bytes on CPU.
+The HF model is built in memory with random weights of realistic scale; glm53_ds loads them through the same
+name mapping as a released checkpoint (`hf_loader.load_hf_state_into`).
 
-    python3 benchmarks/model_step.py [--seq 512 2048] [--batch 1] [--dtype fp32|bf16]
+Sizes (`--size`):
+  tiny  hidden 64, 6 layers (the test config A's schedule): a CPU run in seconds.
+  real  a slice of GLM-5.3-Flash at its real width: hidden 4096, hc_mult 4, 4 layers (KDA x3 + DSA; dense + MoE),
+        the released KDA/indexer/MLP/expert dimensions, 16 experts (top-8) instead of 288, 8 MLA heads instead of
+        64 (both implementations materialise the masked [heads, s, s] scores) and a 32k vocabulary. For a GPU.
 
-Last line: `model_step time_ratio_vs_hf=<ours/HF> mem_ratio_vs_hf=<ours/HF>` at the longest sequence.
-JSON goes to benchmarks/results/model_step_<device>.json.
+    python3 benchmarks/model_step.py [--size tiny|real] [--seq 512 2048] [--batch 1] [--dtype fp32|bf16]
+
+Last line: `model_step time_ratio_vs_hf=<ours/HF> mem_ratio_vs_hf=<ours/HF>` at the longest sequence both ran.
+JSON goes to benchmarks/results/model_step_<device>[_<size>].json.
 """
 
 from __future__ import annotations
@@ -14,7 +22,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -22,58 +31,122 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import glm53_ds  # noqa: E402
 from benchmarks.measure import device_description, peak_extra_bytes, print_table, time_call, write_results  # noqa: E402
-from tests.model_fixtures import CONFIG_A, load_hf_reference, save_tiny_hf  # noqa: E402
+from glm53_ds.config import Glm53Config  # noqa: E402
+from glm53_ds.hf_loader import load_hf_state_into  # noqa: E402
+from tests.model_fixtures import CONFIG_A, perturb_  # noqa: E402
 
-BENCH_CONFIG = dict(CONFIG_A, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, index_topk=64,
-                    index_kpool=16, num_attention_heads=4, num_key_value_heads=4, linear_num_heads=4)  # fmt: skip
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": dict(CONFIG_A, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, index_topk=64,
+                 index_kpool=16, num_attention_heads=4, num_key_value_heads=4, linear_num_heads=4),
+    "real": dict(CONFIG_A, vocab_size=32768, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=2048,
+                 num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["indexed_attention"],
+                 indexer_types=["full"] * 4, mlp_layer_types=["dense"] + ["sparse"] * 3, n_routed_experts=16,
+                 num_experts_per_tok=8, n_group=1, topk_group=1, num_attention_heads=8, num_key_value_heads=8,
+                 q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=256, v_head_dim=256, index_topk=2048,
+                 index_kpool=16, index_head_dim=128, index_n_heads=32, linear_head_dim=128, linear_num_heads=64),
+}  # fmt: skip
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class InMemoryCheckpoint:
+    """The reader interface `load_hf_state_into` uses, over an HF model's own state dict."""
+
+    directory = "<in-memory HF model>"
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.state = state
+
+    def keys(self) -> list[str]:
+        return list(self.state)
+
+    def tensors(self, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in names if names is not None else self.state:
+            yield name, self.state[name]
+
+
+def build_pair(text: dict[str, Any], dtype: torch.dtype, device: torch.device):  # type: ignore[no-untyped-def]
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+    from tests.hf_reference import VISION
+
+    torch.manual_seed(0)
+    hf_config = Glm5NextConfig(text_config=text, vision_config=VISION)
+    with device:  # built where it runs: the real size has billions of parameters
+        hf = Glm5NextForConditionalGeneration._from_config(hf_config, attn_implementation="eager")
+    perturb_(hf)
+    hf = hf.to(dtype=dtype)
+    hf.config.use_cache = False
+    ours = glm53_ds.build_model(Glm53Config.from_text_dict(text), dtype=dtype, mtp=False).to(device)
+    load_hf_state_into(ours, InMemoryCheckpoint(hf.state_dict()), mtp=False)
+    return hf.train(), ours.train()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--seq", type=int, nargs="*", default=[512, 2048])
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument(
+        "--seq", type=int, nargs="*", default=None, help="default: 512 2048 (tiny), 4096 16384 (real)"
+    )
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 (tiny), bf16 (real)"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
-
-    with tempfile.TemporaryDirectory() as tmp:
-        save_tiny_hf(tmp, BENCH_CONFIG)
-        hf = load_hf_reference(tmp, dtype=dtype).to(device).train()
-        ours = glm53_ds.load_hf(tmp, dtype=dtype).to(device).train()
+    device = torch.device(args.device)
+    dtype_name = args.dtype or ("fp32" if args.size == "tiny" else "bf16")
+    seqs = args.seq or ([512, 2048] if args.size == "tiny" else [4096, 16384])
+    text = SIZES[args.size]
+    hf, ours = build_pair(text, DTYPES[dtype_name], device)
 
     rows = []
-    for seq in args.seq:
-        ids = torch.randint(1, BENCH_CONFIG["vocab_size"], (args.batch, seq), device=device)
+    for seq in seqs:
+        ids = torch.randint(1, text["vocab_size"], (args.batch, seq), device=device)
+        if seq == seqs[0]:  # the two models compute the same loss (else the timing compares different work)
+            with torch.no_grad():
+                hf_loss, our_loss = hf(input_ids=ids, labels=ids).loss, ours(ids, labels=ids)
+            loss_rel_diff = abs(our_loss.item() - hf_loss.item()) / abs(hf_loss.item())
+            print(
+                f"loss: hf {hf_loss.item():.6f} glm53_ds {our_loss.item():.6f} (relative difference {loss_rel_diff:.1e})"
+            )
         steps = {
             "hf": lambda ids=ids: hf(input_ids=ids, labels=ids).loss.backward(),
             "glm53_ds": lambda ids=ids: ours(ids, labels=ids).backward(),
         }
         for name, step in steps.items():
-            seconds = time_call(step, device, warmup=1, repeats=args.repeats)
-            params = [p for p in (hf if name == "hf" else ours).parameters()]
-            peak = peak_extra_bytes(step, params)
-            rows.append(dict(model=name, seq=seq, batch=args.batch, dtype=args.dtype, step_s=seconds,
-                             tokens_per_s=args.batch * seq / seconds, peak_MiB=peak / 2**20))  # fmt: skip
+            model = hf if name == "hf" else ours
+            row: dict[str, Any] = dict(model=name, seq=seq, batch=args.batch, dtype=dtype_name)
+            try:
+                seconds = time_call(step, device, warmup=1, repeats=args.repeats)
+                peak = peak_extra_bytes(step, list(model.parameters()))
+                row.update(step_s=seconds, tokens_per_s=args.batch * seq / seconds, peak_MiB=peak / 2**20)
+            except torch.OutOfMemoryError:
+                row.update(error="out of memory")
+            model.zero_grad(set_to_none=True)
+            rows.append(row)
     print(f"device: {device_description(device)}")
-    print_table(rows, ["model", "seq", "batch", "dtype", "step_s", "tokens_per_s", "peak_MiB"])
-    longest = max(args.seq)
-    by = {r["model"]: r for r in rows if r["seq"] == longest}
-    summary = dict(
-        seq=longest,
-        time_ratio_vs_hf=by["glm53_ds"]["step_s"] / by["hf"]["step_s"],
-        mem_ratio_vs_hf=by["glm53_ds"]["peak_MiB"] / by["hf"]["peak_MiB"],
-    )
+    print_table(rows, ["model", "seq", "batch", "dtype", "step_s", "tokens_per_s", "peak_MiB", "error"])
+    both = [s for s in seqs if all("step_s" in r for r in rows if r["seq"] == s)]
+    summary: dict[str, Any] = dict(size=args.size, loss_rel_diff=loss_rel_diff)
+    if both:
+        by = {r["model"]: r for r in rows if r["seq"] == max(both)}
+        summary.update(seq=max(both), time_ratio_vs_hf=by["glm53_ds"]["step_s"] / by["hf"]["step_s"],
+                       mem_ratio_vs_hf=by["glm53_ds"]["peak_MiB"] / by["hf"]["peak_MiB"])  # fmt: skip
+    suffix = "" if args.size == "tiny" else f"_{args.size}"
     path = write_results(
-        f"model_step_{device.type}", dict(device=device_description(device), rows=rows, summary=summary)
+        f"model_step_{device.type}{suffix}",
+        dict(device=device_description(device), config=text, rows=rows, summary=summary),
     )
     print(f"results: {path}")
+    if not both:
+        print("model_step no sequence length ran in both models")
+        return
     print(
         f"model_step time_ratio_vs_hf={summary['time_ratio_vs_hf']:.3f} mem_ratio_vs_hf={summary['mem_ratio_vs_hf']:.3f}"
+        f" seq={summary['seq']}"
     )
 
 

@@ -55,12 +55,13 @@ CONFIG_B: dict[str, Any] = dict(
 
 def perturb_(model: torch.nn.Module, seed: int = 0, matrix_scale: float = 1.0) -> None:
     """Random weights of realistic scale (HF's init leaves base=0, scale=1, bias=0, tiny activations)."""
-    g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device  # draws on the model's device (a big model built on a GPU)
+    g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in list(model.named_parameters()) + list(model.named_buffers()):
             if "visual" in name or not p.is_floating_point():
                 continue
-            r = torch.randn(p.shape, generator=g)
+            r = torch.randn(p.shape, generator=g, device=device)
             if name.endswith("e_score_correction_bias"):
                 p.copy_(0.05 * r.abs())
             elif name.endswith("A_log"):
