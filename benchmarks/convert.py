@@ -3,6 +3,8 @@ each in its own process (peak RSS over that process's import baseline).
 
     python3 benchmarks/convert.py [--experts 64] [--layers 12] [--hidden 128]
 
+Peak memory: resident set size sampled every 2 ms over the process's baseline (interpreter, libraries, the
+weight-less model definition), beside the streaming bound 2 x (largest tensor, fp32 + output shard size).
 Last line: `convert hf_to_native_MBps=<x> native_to_hf_MBps=<y> peak_extra_MiB=<max of both>`.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -21,19 +24,34 @@ from benchmarks.measure import print_table, write_results  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Baseline: interpreter, libraries and the weight-less model definition (as tests/test_convert.py measures).
 _RUN = """
-import json, resource, sys, time
-import glm53_ds.model
+import json, sys, time
+import glm53_ds.model, glm53_ds.convert.import_hf as m
+from benchmarks.measure import PeakRss
+from glm53_ds.config import Glm53Config
 from glm53_ds.convert import hf_to_native, native_to_hf
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+m.expected_native_shapes(Glm53Config.from_hf(sys.argv[4]), False)
 start = time.perf_counter()
-if sys.argv[1] == "hf-to-native":
-    hf_to_native(sys.argv[2], sys.argv[3], ep=2, etp=2, shard_bytes=64 << 20)
-else:
-    native_to_hf(sys.argv[2], sys.argv[3], shard_bytes=64 << 20)
-seconds = time.perf_counter() - start
-print(json.dumps(dict(seconds=seconds, extra_kib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)))
+with PeakRss() as rss:
+    if sys.argv[1] == "hf-to-native":
+        hf_to_native(sys.argv[2], sys.argv[3], ep=2, etp=2, shard_bytes=int(sys.argv[5]))
+    else:
+        native_to_hf(sys.argv[2], sys.argv[3], shard_bytes=int(sys.argv[5]))
+print(json.dumps(dict(seconds=time.perf_counter() - start, extra_bytes=rss.extra)))
 """
+SHARD_BYTES = 16 << 20
+
+
+def _tensor_sizes(directory: str) -> list[int]:
+    from glm53_ds.convert.safetensors_file import SafetensorsFile
+
+    sizes = []
+    for name in os.listdir(directory):
+        if name.endswith(".safetensors"):
+            f = SafetensorsFile(os.path.join(directory, name))
+            sizes += [math.prod(f.shape(k)) for k in f.keys()]
+    return sizes
 
 
 def main() -> None:
@@ -57,17 +75,21 @@ def main() -> None:
             for f in os.listdir(os.path.join(tmp, "hf"))
             if f.endswith(".safetensors")
         )
+        largest = max(numel * 4 for numel in _tensor_sizes(os.path.join(tmp, "hf")))
+        bound = 2 * (largest + SHARD_BYTES) / 2**20
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # see measure.PeakRss
         rows = []
         for step, src, dst in (("hf-to-native", "hf", "native"), ("native-to-hf", "native", "hf2")):
-            out = subprocess.run([sys.executable, "-c", _RUN, step, os.path.join(tmp, src), os.path.join(tmp, dst)],
-                                 cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]  # fmt: skip
-            r = json.loads(out)
+            argv = [sys.executable, "-c", _RUN, step, os.path.join(tmp, src), os.path.join(tmp, dst),
+                    os.path.join(tmp, "hf"), str(SHARD_BYTES)]  # fmt: skip
+            out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=True, env=env).stdout
+            r = json.loads(out.strip().splitlines()[-1])
             rows.append(dict(step=step, MiB=size / 2**20, seconds=r["seconds"], MBps=size / 1e6 / r["seconds"],
-                             peak_extra_MiB=r["extra_kib"] / 1024))  # fmt: skip
-    print_table(rows, ["step", "MiB", "seconds", "MBps", "peak_extra_MiB"])
+                             peak_extra_MiB=r["extra_bytes"] / 2**20, bound_MiB=bound))  # fmt: skip
+    print_table(rows, ["step", "MiB", "seconds", "MBps", "peak_extra_MiB", "bound_MiB"])
     summary = dict(hf_to_native_MBps=rows[0]["MBps"], native_to_hf_MBps=rows[1]["MBps"],
                    peak_extra_MiB=max(r["peak_extra_MiB"] for r in rows))  # fmt: skip
-    path = write_results("convert_cpu", dict(rows=rows, summary=summary))
+    path = write_results("convert_cpu", dict(rows=rows, summary=summary, shard_bytes=SHARD_BYTES))
     print(f"results: {path}")
     print("convert " + " ".join(f"{k}={v:.1f}" for k, v in summary.items()))
 

@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -91,6 +92,36 @@ def peak_extra_bytes(fn: Callable[[], Any], inputs: list[torch.Tensor]) -> int:
         result = fn()
     del result
     return mode.peak
+
+
+class PeakRss:
+    """Peak resident set size of this process while the block runs, sampled every 2 ms on a thread:
+    `with PeakRss() as rss: ...` then `rss.extra` is the peak over the RSS at entry, in bytes.
+
+    Allocator caveat: glibc raises its mmap threshold after freeing large blocks and then keeps freed heap memory
+    mapped; run the process with MALLOC_MMAP_THRESHOLD_=65536 so RSS follows what the code holds.
+    """
+
+    def __enter__(self) -> PeakRss:
+        import psutil
+
+        self._process = psutil.Process()
+        self._done = threading.Event()
+        self.base = self.peak = self._process.memory_info().rss
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done.is_set():
+            self.peak = max(self.peak, self._process.memory_info().rss)
+            time.sleep(0.002)
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._process.memory_info().rss)
+        self.extra = self.peak - self.base
 
 
 def copy_bandwidth(nbytes: int, device: torch.device) -> float:

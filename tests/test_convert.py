@@ -167,29 +167,21 @@ BIG = dict(CONFIG_A, hidden_size=256, moe_intermediate_size=256, intermediate_si
            indexer_types=CONFIG_A["indexer_types"] * 2, mlp_layer_types=["dense"] * 2 + ["sparse"] * 10)  # fmt: skip
 
 _MEASURE = """
-import sys, threading, time, psutil, torch
+import sys, torch
 from safetensors.torch import load_file
+from benchmarks.measure import PeakRss
 from glm53_ds.convert import hf_to_native
 import glm53_ds.model, glm53_ds.convert.import_hf as m  # imports belong to the baseline
 from glm53_ds.config import Glm53Config
 m.expected_native_shapes(Glm53Config.from_hf(sys.argv[2]), False)  # the model definition (no weights) too
 m.expected_native_shapes(Glm53Config.from_hf(sys.argv[2]), True)
-proc, peak, done = psutil.Process(), [0], threading.Event()
-def sample():
-    while not done.is_set():
-        peak[0] = max(peak[0], proc.memory_info().rss)
-        time.sleep(0.002)
-base = proc.memory_info().rss
-thread = threading.Thread(target=sample, daemon=True)
-thread.start()
-if sys.argv[1] == "convert":
-    hf_to_native(sys.argv[2], sys.argv[3], ep=2, etp=2, shard_bytes=int(sys.argv[4]))
-else:  # control: what a non-streaming converter holds
-    everything = load_file(sys.argv[2] + "/model.safetensors")
-    sum(t.float().sum() for t in everything.values())
-done.set()
-thread.join()
-print(base, max(peak[0], proc.memory_info().rss))
+with PeakRss() as rss:
+    if sys.argv[1] == "convert":
+        hf_to_native(sys.argv[2], sys.argv[3], ep=2, etp=2, shard_bytes=int(sys.argv[4]))
+    else:  # control: what a non-streaming converter holds
+        everything = load_file(sys.argv[2] + "/model.safetensors")
+        sum(t.float().sum() for t in everything.values())
+print(rss.extra)
 """
 
 
@@ -214,7 +206,7 @@ def test_streaming_peak_memory(tmp_path):
     def peak_extra(mode: str) -> int:
         out = subprocess.run([sys.executable, "-c", _MEASURE, mode, str(tmp_path / "hf"), str(tmp_path / mode), str(shard)],
                              cwd=ROOT, capture_output=True, text=True, check=True, env=env).stdout.split()  # fmt: skip
-        return int(out[-1]) - int(out[-2])
+        return int(out[-1])
 
     extra = peak_extra("convert")
     assert extra <= bound, (

@@ -1,7 +1,7 @@
 """Released HF checkpoint -> native training layout for a given EP x ETP (model-only, loadable by `--load`).
 
-Streaming: tensors are read one at a time (the file is opened per tensor, so its mapping is released), and the
-output goes through size-bounded writers; the largest thing held is one native tensor (a fused dense
+Streaming: tensors are read one at a time with positioned reads (`safetensors_file.py`: no file mapping, each
+header parsed once), and the output goes through size-bounded writers; the largest thing held is one native tensor (a fused dense
 `linear_fc1`, or one shard's stacked experts of one layer) plus the current output file.
 FP8 input: tensors stored as float8 with a `<name>_scale_inv` companion are dequantised (see `fp8.py`).
 The output directory is built under a temporary name and renamed when complete.
@@ -17,7 +17,6 @@ import shutil
 from collections.abc import Callable, Iterator
 
 import torch
-from safetensors import safe_open
 
 from ..config import Glm53Config
 from .fp8 import dequantize_fp8, is_fp8_scale_name
@@ -30,6 +29,7 @@ from .names import (
     split_to_released,
 )
 from .native_format import DEFAULT_SHARD_BYTES, ShardWriter, expert_set_name, write_layout
+from .safetensors_file import SafetensorsSet
 
 NATIVE_TAG = "hf"
 _EXPERT_NATIVE = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
@@ -44,15 +44,15 @@ class HFSource:
 
     def __init__(self, directory: str, fp8_dtype: torch.dtype = torch.bfloat16) -> None:
         self.directory, self.fp8_dtype = directory, fp8_dtype
+        self.files = SafetensorsSet(directory)
+        self.weight_map = self.files.weight_map
         index = os.path.join(directory, "model.safetensors.index.json")
         if os.path.isfile(index):
             with open(index, encoding="utf-8") as f:
-                self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+                self.weight_map.update(json.load(f)["weight_map"])
         else:
-            self.weight_map = {}
             for name in sorted(n for n in os.listdir(directory) if n.endswith(".safetensors")):
-                with safe_open(os.path.join(directory, name), framework="pt") as f:
-                    self.weight_map.update({k: name for k in f.keys()})
+                self.weight_map.update({k: name for k in self.files.file(name).keys()})
         if not self.weight_map:
             raise FileNotFoundError(f"{directory!r}: no safetensors weights")
         missing_files = sorted(
@@ -70,10 +70,7 @@ class HFSource:
             yield name, self.raw(name)
 
     def raw(self, name: str) -> torch.Tensor:
-        # clone: the tensor must not keep the file mapped (its pages, and the kernel's fault-around neighbours,
-        # would count towards this process's memory until the tensor dies)
-        with safe_open(os.path.join(self.directory, self.weight_map[name]), framework="pt") as f:
-            return f.get_tensor(name).clone()
+        return self.files.read(name)
 
     def read(self, name: str) -> torch.Tensor:
         tensor = self.raw(name)
@@ -123,8 +120,7 @@ class HFSource:
         return tuple(self._piece(stored, piece, torch.empty(self._shape(stored), device="meta"), cfg).shape)
 
     def _shape(self, name: str) -> list[int]:
-        with safe_open(os.path.join(self.directory, self.weight_map[name]), framework="pt") as f:
-            return list(f.get_slice(name).get_shape())
+        return self.files.shape(name)
 
     def read_released(self, released: str, where: tuple[str, int | None], cfg: Glm53Config) -> torch.Tensor:
         stored, piece = where

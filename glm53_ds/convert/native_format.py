@@ -17,8 +17,9 @@ import os
 from collections.abc import Iterator
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
+
+from .safetensors_file import SafetensorsSet
 
 FORMAT = "glm53_ds-native-v2"
 DEFAULT_SHARD_BYTES = 2 * 1024**3
@@ -83,19 +84,17 @@ class ShardReader:
         with open(path, encoding="utf-8") as f:
             self.weight_map: dict[str, str] = json.load(f)["weight_map"]
         self.directory = directory
+        self.files = SafetensorsSet(directory, self.weight_map)
 
     def keys(self) -> list[str]:
         return list(self.weight_map)
 
     def get(self, key: str) -> torch.Tensor:
-        # open per tensor and copy: a tensor viewing the file would keep its pages (and the kernel's fault-around
-        # neighbours) mapped into this process for as long as it lives
-        with safe_open(os.path.join(self.directory, self.weight_map[key]), framework="pt") as f:
-            return f.get_tensor(key).clone()
+        return self.files.read(key)
 
     def get_slice(self, key: str, index: tuple) -> torch.Tensor:
-        with safe_open(os.path.join(self.directory, self.weight_map[key]), framework="pt") as f:
-            return f.get_slice(key)[index].clone()
+        """`tensor[index]`, reading only the leading-dimension rows the index touches."""
+        return self.files.read(key, index)
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for key in self.weight_map:
