@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--warmup", type=int, default=5, help="linear warmup steps, then cosine decay to --min-lr")
     o.add_argument("--weight-decay", type=float, default=0.01)
     o.add_argument("--clip-grad", type=float, default=1.0)
-    o.add_argument("--router-bias-update-rate", type=float, default=1e-3, help="0 turns the update off")
+    o.add_argument("--router-bias-update-rate", type=float, default=None,
+                   help="aux-loss-free balancing step; 0 turns it off (default: 1e-2 for the tiny preset, else 1e-3)")  # fmt: skip
 
     c = p.add_argument_group("checkpoints and output")
     c.add_argument("--save", default=None, help="checkpoint directory")

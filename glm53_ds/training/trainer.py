@@ -34,6 +34,23 @@ class TrainingStopped(RuntimeError):
 
 
 # ----------------------------------------------------------------------------- configuration
+def preset_name(args: Any) -> str | None:
+    """The preset the run builds, or None when the model comes from --hf-dir or a config file."""
+    from .presets import PRESETS
+
+    if args.hf_dir or (args.model_config and args.model_config not in PRESETS):
+        return None
+    return args.model_config or "tiny"
+
+
+def router_bias_update_rate(args: Any) -> float:
+    from .presets import DEFAULT_ROUTER_BIAS_UPDATE_RATE, PRESET_ROUTER_BIAS_UPDATE_RATE
+
+    if args.router_bias_update_rate is not None:
+        return float(args.router_bias_update_rate)
+    return PRESET_ROUTER_BIAS_UPDATE_RATE.get(preset_name(args) or "", DEFAULT_ROUTER_BIAS_UPDATE_RATE)
+
+
 def model_config(args: Any) -> Glm53Config:
     from .presets import PRESETS, preset
 
@@ -48,7 +65,7 @@ def model_config(args: Any) -> Glm53Config:
             )
         cfg = Glm53Config.from_hf(args.model_config)
     else:
-        cfg = preset(args.model_config or "tiny")
+        cfg = preset(preset_name(args) or "tiny")
     if args.mtp_loss_weight is not None:
         cfg = cfg.replace(mtp_loss_weight=args.mtp_loss_weight)
     if args.no_mtp:
@@ -285,6 +302,7 @@ def train(args: Any) -> dict[str, Any]:
 
     last: dict[str, Any] = {}
     tokens_per_step = args.micro_batch_size * gas * world * args.seq_length
+    bias_rate = router_bias_update_rate(args)
     for step in range(start_step, args.train_iters):
         started = time.perf_counter()
         lr = lr_at(step, args)
@@ -310,7 +328,7 @@ def train(args: Any) -> dict[str, Any]:
             sums[0] += loss.item() / gas
             sums[1] += parts["lm_loss"] / gas
             sums[2] += parts.get("mtp_loss", 0.0) / gas
-        balance = update_router_bias(engine.module, rate=args.router_bias_update_rate)
+        balance = update_router_bias(engine.module, rate=bias_rate)
         total, lm, mtp = _mean_over_ranks(sums)
         step_time = time.perf_counter() - started
         norm = engine.get_global_grad_norm()
