@@ -2,8 +2,10 @@
 
 - fused Triton hc_post vs the eager path and an fp64 reference, forward and backward, bf16/fp32, at the real size
   (16k tokens, D=4096, H=4) and at awkward shapes (H=1,3,8; D not a multiple of the block; strided inputs);
-- fla-core's KDA kernel vs the torch chunked path (when `fla` is installed), forward and input gradients.
-Tolerances as in tests/test_hc_post.py; KDA: relative max error <= 2e-2 in bf16, <= 1e-3 in fp32.
+- fla-core's KDA kernel vs the torch chunked path (when `fla` is installed), forward and input gradients;
+- the MLA core through SDPA vs HF's expression, padding (blind) queries included, with the memory of each.
+Tolerances as in tests/test_hc_post.py; KDA: relative max error <= 2e-2 in bf16, <= 1e-3 in fp32; attention
+<= 1e-5 in fp32 (tests/test_attention.py), <= 2e-2 in bf16 (the eager path rounds the scores to bf16).
 `--device cpu --small` runs the same checks through Triton's interpreter for a dry run.
 """
 
@@ -88,6 +90,41 @@ def check_kda(device: torch.device, small: bool) -> list[dict]:
     return rows
 
 
+def check_attention(device: torch.device, small: bool) -> list[dict]:
+    """The MLA core's SDPA path vs HF's expression (`GLM53_ATTENTION=eager`), blind (padding) queries included, and
+    the peak memory of each for a forward+backward."""
+    from benchmarks.measure import peak_extra_bytes
+    from glm53_ds.layers.mla import ATTENTION_ENV, masked_attention
+
+    b, h, s, d = (1, 2, 96, 64) if small else (1, 8, 4096, 256)
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        g = torch.Generator(device=device).manual_seed(2)
+        q, k, v = (torch.randn(b, h, s, d, device=device, generator=g).to(dtype) for _ in range(3))
+        allowed = torch.rand(b, 1, s, s, device=device, generator=g) < 0.3
+        allowed[:, :, :8] = False  # blind queries
+        results, memory = {}, {}
+        for backend in ("eager", "sdpa"):
+            os.environ[ATTENTION_ENV] = backend
+            leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+
+            def step(leaves=leaves, allowed=allowed) -> torch.Tensor:
+                out = masked_attention(*leaves, allowed, d**-0.5)
+                out.float().square().mean().backward()
+                return out
+
+            out = step()
+            results[backend] = [out.detach()] + [t.grad for t in leaves]
+            memory[backend] = peak_extra_bytes(step, [q, k, v, allowed] + leaves) / 2**20
+        os.environ.pop(ATTENTION_ENV)
+        errs = [rel(a, r) for a, r in zip(results["sdpa"], results["eager"], strict=True)]
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        rows.append(dict(check="attention sdpa vs eager", shape=f"{b}x{h}x{s}x{d}", dtype=str(dtype)[6:],
+                         fwd=errs[0], bwd=max(errs[1:]), eager_MiB=memory["eager"], sdpa_MiB=memory["sdpa"],
+                         ok=max(errs) <= tol))  # fmt: skip
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cuda")
@@ -98,7 +135,11 @@ def main() -> int:
     from benchmarks.measure import device_description, write_results
 
     device = torch.device(args.device)
-    rows = check_hc_post(device, args.small) + check_kda(device, args.small)
+    rows = (
+        check_hc_post(device, args.small)
+        + check_kda(device, args.small)
+        + check_attention(device, args.small)
+    )
     for r in rows:
         print(r)
     write_results(f"gpu_correctness_{device.type}", dict(device=device_description(device), rows=rows))

@@ -9,7 +9,7 @@ Sizes (`--size`):
   tiny  hidden 64, 6 layers (the test config A's schedule): a CPU run in seconds.
   real  a slice of GLM-5.3-Flash at its real width: hidden 4096, hc_mult 4, 4 layers (KDA x3 + DSA; dense + MoE),
         the released KDA/indexer/MLP/expert dimensions, 16 experts (top-8) instead of 288, 8 MLA heads instead of
-        64 (both implementations materialise the masked [heads, s, s] scores) and a 32k vocabulary. For a GPU.
+        64 (HF's eager attention materialises the [heads, s, s] scores) and a 32k vocabulary. For a GPU.
 
     python3 benchmarks/model_step.py [--size tiny|real] [--seq 512 2048] [--batch 1] [--dtype fp32|bf16]
 

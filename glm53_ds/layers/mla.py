@@ -4,11 +4,18 @@ q = q_b(RMSNorm(q_a x)) per head [qk_nope_head_dim]; the shared latent c = RMSNo
 to per-head keys and values through kv_b. No rotary embedding (qk_rope_head_dim = 0). Each query attends only
 to the token set its DSA indexer chose (or, for an `indexer_types == "shared"` layer, the set the previous full
 layer chose, passed in through the transformer block's `context`). Attention is exact masked softmax attention
-in fp32 softmax, as HF's eager path; a query whose set is empty (padding rows) averages all values as HF does.
+as HF's eager path; a query whose set is empty (padding rows) averages all values as HF does.
+
+`GLM53_ATTENTION` picks how it is computed: `sdpa` (default) through torch's fused kernels, which never hold the
+[b, H, s, s] scores; `eager` as HF's expression, scores rounded to the activation dtype before the fp32 softmax.
+The two agree to ~1e-7 in fp32. In bf16 they differ by that rounding: eager matches HF bf16 (logits cosine 0.99998
+on the test config A), sdpa is nearer the fp32 result (cosine to HF fp32 0.988 on config A, where HF's own bf16
+gets 0.985), and the chaotic tiny test models amplify the difference (0.993 between the two).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -27,6 +34,63 @@ def topk_to_mask(topk_tokens: torch.Tensor, kv_length: int) -> torch.Tensor:
     counts = torch.zeros(*topk_tokens.shape[:2], kv_length, dtype=torch.int32, device=topk_tokens.device)
     counts.scatter_add_(-1, topk_tokens.clamp(0, kv_length - 1).long(), valid.to(torch.int32))
     return counts.ne(0).unsqueeze(1)
+
+
+ATTENTION_ENV = "GLM53_ATTENTION"
+
+
+def attention_backend() -> str:
+    backend = os.environ.get(ATTENTION_ENV, "sdpa").strip().lower() or "sdpa"
+    if backend not in ("sdpa", "eager"):
+        raise ValueError(f"{ATTENTION_ENV}={backend!r}: expected 'sdpa' or 'eager'")
+    return backend
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scaling: float,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """HF's eager attention, softmax(q k^T * scaling + mask) v with the mask finfo.min where not allowed.
+    q, k [b, H, s, dq], v [b, H, s, dv], allowed bool [b, 1, s, s] -> [b, s, H, dv]. Backend: `GLM53_ATTENTION`.
+
+    SDPA's fused kernels (flash on CPU, memory-efficient on CUDA) never hold the [b, H, s, s] scores and
+    probabilities that eager attention keeps for backward: 82 MiB instead of 1.6 GiB for a fwd+bwd at 4096 tokens
+    and 8 heads on CPU. One case needs care. A query allowed nothing (a padding position) gets min + score == min
+    everywhere in HF: the forward is a uniform average of all values, while the gradient still flows to q and k
+    through the add, as the softmax Jacobian at the uniform point. The fused kernels' backward is wrong on such
+    rows, so SDPA sees them unmasked and their outputs are recomputed as softmax(x - x.detach()) v, which has
+    exactly that value and gradient; the cost is proportional to the number of such rows.
+    """
+    if attention_backend() == "eager":  # HF's expression, rounding included
+        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(
+            ~allowed, torch.finfo(q.dtype).min
+        )
+        scores = torch.matmul(q, k.transpose(2, 3)) * scaling + bias
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = F.dropout(probs, p=dropout, training=dropout > 0)
+        return torch.matmul(probs, v).transpose(1, 2)
+    sees_something = allowed.any(dim=-1, keepdim=True)  # [b, 1, s, 1]
+    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(
+        ~(allowed | ~sees_something), torch.finfo(q.dtype).min
+    )
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout, scale=scaling)
+    out = out.transpose(1, 2)  # [b, s, H, dv]
+    blind = ~sees_something[:, 0, :, 0]  # [b, s]
+    if not blind.any():
+        return out
+    batch_index, query_index = blind.nonzero(as_tuple=True)  # sorted by batch element, then position
+    rows = []
+    for i in batch_index.unique().tolist():
+        queries = query_index[batch_index == i]
+        x = torch.matmul(q[i][:, queries], k[i].transpose(-1, -2)) * scaling  # [H, n, s]
+        probs = F.softmax(x - x.detach(), dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = F.dropout(probs, p=dropout, training=dropout > 0)
+        rows.append(torch.matmul(probs, v[i]).transpose(0, 1))  # [n, H, dv]
+    return out.index_put((batch_index, query_index), torch.cat(rows))
 
 
 class SparseMLA(nn.Module):
@@ -107,13 +171,8 @@ class SparseMLA(nn.Module):
         else:
             topk = shared_topk
 
-        allowed = topk_to_mask(topk, s)  # [b, 1, s, s]
-        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(
-            ~allowed, torch.finfo(q.dtype).min
-        )
-        scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling + bias
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        probs = F.dropout(probs, p=self.attention_dropout, training=self.training)
-        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, self.num_heads * self.v_head_dim)
+        dropout = self.attention_dropout if self.training else 0.0
+        out = masked_attention(q, k, v, topk_to_mask(topk, s), self.scaling, dropout)  # [b, s, H, dv]
+        out = out.reshape(b, s, self.num_heads * self.v_head_dim)
         out = self.o_proj(out)
         return out.transpose(0, 1), (topk if self.passes_selection else None)
