@@ -1,8 +1,8 @@
 """Released HF checkpoint -> native training layout for a given EP x ETP (model-only, loadable by `--load`).
 
 Streaming: tensors are read one at a time with positioned reads (`safetensors_file.py`: no file mapping, each
-header parsed once), and the output goes through size-bounded writers; the largest thing held is one native tensor (a fused dense
-`linear_fc1`, or one shard's stacked experts of one layer) plus the current output file.
+header parsed once), and the output goes through size-bounded writers; the largest thing held is one native
+tensor (a fused dense `linear_fc1`, or one shard's stacked experts of one layer) plus the current output file.
 FP8 input: tensors stored as float8 with a `<name>_scale_inv` companion are dequantised (see `fp8.py`).
 The output directory is built under a temporary name and renamed when complete.
 """
