@@ -1,8 +1,12 @@
 """Expert (EP) and expert-tensor (ETP) parallelism under DeepSpeed on CPU ranks (gloo), against the
 single-process model on the concatenated global batch, and the replica gradient-sync patch with its control.
 
-Tolerances (fp32 unless said): logits <= 1e-5 relative; reduced gradients <= 1e-5 relative (non-expert: the
-global mean; expert shards: the matching slice); clipping norm <= 1e-6 relative (first step); after two SGD steps
+Tolerances (fp32 unless said): logits <= 1e-5 relative; reduced gradients relative to each tensor's largest
+reference entry: non-expert (vs the global mean) <= 1e-4, as the single-process gradient parity test; expert shards
+(vs the matching slice) <= 1e-5. The non-expert bound is set by fp32 summation order, not by the reduction: the
+worst tensor is layer 0's A_log, a sum with heavy cancellation (2.7e-5 at world 8, absolute 4.5e-7; splitting the
+same batch eightfold in one process already gives 1.0e-5 with HF's attention expression and 1.4e-5 with SDPA),
+while the control without the patch is off by 3.2; clipping norm <= 1e-6 relative (first step); after two SGD steps
 parameters <= 1e-5 relative, after two AdamW steps (lr 1e-3) <= 4 lr per element. bf16 (a checkpoint with
 0.3x weight scale, where bf16 tracks fp32): replicas bitwise identical; SGD parameters <= 5e-2 relative;
 AdamW <= 4 lr + 2^-7 max|p| per element; clipping norm <= 2% relative (first step).
@@ -51,7 +55,7 @@ def _check_gradients(results, etp):
         g = r["gradients"]
         assert g["logits_rel_err"] <= 1e-5, g
         assert g["loss_rel_err"] <= 1e-5, g
-        assert g["grad_err_patched"]["non_expert"] <= 1e-5, g
+        assert g["grad_err_patched"]["non_expert"] <= 1e-4, g
         assert g["grad_err_patched"]["expert"] <= 1e-5, g
         assert g["expert_grads_unchanged_by_patch"], g
         assert abs(g["grad_norm_patched"] - g["ref_grad_norm"]) <= 1e-6 * g["ref_grad_norm"], g
@@ -61,7 +65,7 @@ def _check_gradients(results, etp):
         if etp > 1:  # control: DeepSpeed alone averages over an incomplete group
             assert g["grad_err_unpatched"]["non_expert"] > 1e-2, g
         else:
-            assert g["grad_err_unpatched"]["non_expert"] <= 1e-5, g
+            assert g["grad_err_unpatched"]["non_expert"] <= 1e-4, g
 
 
 def _check_steps(results):
