@@ -32,7 +32,8 @@ IGNORE_INDEX = -100
 
 class Glm53Model(nn.Module):
     # Tensors HF keeps in fp32 whatever the model dtype (transformers' _keep_in_fp32_modules_strict for glm5_next);
-    # glm53_ds builds them in fp32, and DeepSpeed's bf16/fp16 cast reads this attribute and leaves them in fp32.
+    # glm53_ds builds them in fp32. DeepSpeed 0.19.8's bf16/fp16 cast reads this attribute but keeps only buffers
+    # (the router bias) in fp32; parallel/fp32_masters.py keeps the parameters' optimizer masters unrounded.
     _keep_in_fp32_modules_strict = [
         "e_score_correction_bias",
         "conv1d",

@@ -311,21 +311,70 @@ def _checkpoint_roundtrip(ckpt: str, ep: int, etp: int, save_dir: str, stage: in
 LR_CKPT = 1e-3
 
 
-def bf16_keeps_fp32(ckpt: str, ep: int, etp: int) -> dict[str, Any]:
-    """Under a bf16 ZeRO-2 engine: which of HF's fp32-kept tensors DeepSpeed leaves in fp32, and steps run."""
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys() and a, (sorted(a), sorted(b))
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def bf16_keeps_fp32(ckpt: str, ep: int, etp: int, save_dir: str) -> dict[str, Any]:
+    """Under bf16 engines (ZeRO-2, and the stage-0 optimizer): which of HF's fp32-kept tensors DeepSpeed leaves in
+    fp32; whether their fp32 masters keep the unrounded values through init, save, a full load and a model-only
+    load; and the control without `fp32_masters.restore`."""
+    import json
+    import os
+
+    from glm53_ds.convert.native_format import ShardReader
+    from glm53_ds.parallel import fp32_masters
+    from glm53_ds.parallel.checkpoint import load_checkpoint, save_checkpoint
+
     layout = _setup(ep, etp)
-    _, model = _models(ckpt, layout, torch.bfloat16)
-    engine = _engine(model, layout, stage=2, dtype=torch.bfloat16, optimizer="adamw", lr=1e-3, patch=True)
+    out: dict[str, Any] = {}
+    for stage in (2, 0):
+
+        def engine_for(restore: bool, stage: int = stage):  # type: ignore[no-untyped-def]
+            _, model = _models(ckpt, layout, torch.bfloat16)
+            values = fp32_masters.capture(model)
+            engine = _engine(
+                model, layout, stage=stage, dtype=torch.bfloat16, optimizer="adamw", lr=1e-3, patch=True
+            )
+            if restore:
+                fp32_masters.restore(engine, values)
+            return engine, values
+
+        control, values = engine_for(restore=False)
+        out[f"stage{stage}_control_rounded"] = _max_diff(fp32_masters.gather(control), values)
+        engine, values = engine_for(restore=True)
+        out[f"stage{stage}_restored"] = _max_diff(fp32_masters.gather(engine), values)
+        x = _local(_batch(engine.module.glm.vocab_size, layout.world_size, seed=3)[0], layout.rank)
+        for _ in range(2):
+            engine.backward(engine(x, labels=x))
+            engine.step()
+        masters = fp32_masters.gather(engine)
+        directory = os.path.join(save_dir, f"stage{stage}")
+        save_checkpoint(engine, layout, directory, "step2")
+        stored = dict(ShardReader(os.path.join(directory, "step2", "glm53"), "replicated").items())
+        out[f"stage{stage}_saved_fp32"] = all(stored[k].dtype == torch.float32 for k in masters)
+        out[f"stage{stage}_saved_vs_masters"] = _max_diff({k: stored[k] for k in masters}, masters)
+        resumed, _ = engine_for(restore=False)
+        load_checkpoint(resumed, layout, directory, "step2")
+        out[f"stage{stage}_full_load"] = _max_diff(fp32_masters.gather(resumed), masters)
+        dist.barrier()
+        if layout.rank == 0:  # the same files as a model-only checkpoint (what the converter writes)
+            meta_path = os.path.join(directory, "step2", "glm53", "layout.json")
+            meta = json.load(open(meta_path))
+            json.dump({**meta, "model_only": True}, open(meta_path, "w"))
+        dist.barrier()
+        fresh, _ = engine_for(restore=False)
+        load_checkpoint(fresh, layout, directory, "step2")
+        out[f"stage{stage}_model_only_load"] = _max_diff(fp32_masters.gather(fresh), masters)
+        out[f"stage{stage}_optimizer"] = type(engine.optimizer).__name__
+
     kept = ("e_score_correction_bias", "conv1d", "dt_bias", "A_log", "_hc.base", "_hc.scale")
     dtypes = {
         n: str(t.dtype)
         for n, t in list(engine.module.named_parameters()) + list(engine.module.named_buffers())
     }
-    x = _local(_batch(engine.module.glm.vocab_size, layout.world_size, seed=3)[0], layout.rank)
-    for _ in range(2):
-        engine.backward(engine(x, labels=x))
-        engine.step()
-    return dict(
+    return out | dict(
         bias_buffer_fp32=all(
             v == "torch.float32" for n, v in dtypes.items() if n.endswith("e_score_correction_bias")
         ),

@@ -12,6 +12,9 @@ sharing that ETP rank are not in it (the test shows it). Under `<dir>/<tag>/glm5
                                           per ETP rank, which is wrong for expert moments under EP)
     layout.json                           format, EP, ETP, config
 
+In bf16/fp16 runs the parameters HF keeps in fp32 are written from their fp32 optimizer masters
+(`fp32_masters.py`), so checkpoints and exports keep them at full precision and in the released dtypes.
+
 Every file is written to a temporary name and renamed; `latest` moves only after all ranks have finished
 (barrier), so an interrupted save leaves the previous checkpoint loadable. A model-only checkpoint
 (`python -m glm53_ds.convert hf-to-native`) loads the same way, without optimizer state.
@@ -26,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..convert.native_format import ShardReader, ShardWriter, expert_set_name, read_layout, write_layout
+from . import fp32_masters
 from .grad_sync import is_expert_param
 from .initialize import ParallelLayout
 
@@ -46,9 +50,11 @@ def _atomic_write_text(text: str, path: str) -> None:
     os.replace(tmp, path)
 
 
-def _write_module(model: torch.nn.Module, layout: ParallelLayout, root: str, tag: str) -> None:
+def _write_module(engine: Any, layout: ParallelLayout, root: str, tag: str) -> None:
+    model = engine.module
     expert_names = {n for n, p in model.named_parameters() if is_expert_param(p)}
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state") and v is not None}
+    state.update(fp32_masters.gather(engine))  # HF's fp32-kept parameters at full precision (collective)
     if layout.rank == 0:
         writer = ShardWriter(root, "replicated")
         for name, t in state.items():
@@ -74,7 +80,7 @@ def save_checkpoint(
     engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False)
     root = os.path.join(save_dir, tag, "glm53")
     os.makedirs(root, exist_ok=True)
-    _write_module(engine.module, layout, root, tag)
+    _write_module(engine, layout, root, tag)
     if engine.zero_optimization_stage() == 0:
         _atomic_save(engine.optimizer.state_dict(), os.path.join(root, f"optimizer_rank{layout.rank:05d}.pt"))
     dist.barrier()
@@ -128,6 +134,8 @@ def load_checkpoint(engine: Any, layout: ParallelLayout, load_dir: str, tag: str
         raise ValueError(
             f"{root}: checkpoint does not match the model: missing {missing[:10]}, unexpected {unexpected[:10]}"
         )
+    kept = {n for n, _ in fp32_masters.fp32_kept_parameters(engine.module)}
+    kept_values = {}
     with torch.no_grad():
         for reader in readers:
             for name, tensor in reader.items():
@@ -136,6 +144,10 @@ def load_checkpoint(engine: Any, layout: ParallelLayout, load_dir: str, tag: str
                         f"{root}: {name} has shape {tuple(tensor.shape)}, the model {tuple(current[name].shape)}"
                     )
                 current[name].copy_(tensor)
+                if name in kept:
+                    kept_values[name] = tensor
+    if meta.get("model_only"):  # no optimizer state: the masters come from the stored (fp32) values
+        fp32_masters.restore(engine, kept_values)
     if engine.zero_optimization_stage() == 0 and not meta.get("model_only"):
         engine.optimizer.load_state_dict(
             torch.load(os.path.join(root, f"optimizer_rank{layout.rank:05d}.pt"), map_location="cpu")

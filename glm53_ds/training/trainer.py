@@ -217,6 +217,7 @@ def build_engine(args: Any, env: dict[str, Any]) -> tuple[Any, Any]:
 
     from ..hf_loader import ExpertShard, SafetensorsCheckpoint, checkpoint_has_mtp, load_hf_state_into
     from ..model import Glm53Model
+    from ..parallel import fp32_masters
     from ..parallel.deepspeed_setup import optimizer_param_groups, prepare_model_for_deepspeed
     from ..parallel.grad_sync import install_gradient_sync
     from ..parallel.initialize import DeepSpeedMpu, initialize
@@ -248,9 +249,11 @@ def build_engine(args: Any, env: dict[str, Any]) -> tuple[Any, Any]:
     optimizer = torch.optim.AdamW(
         optimizer_param_groups(model, weight_decay=args.weight_decay), lr=args.lr, betas=(0.9, 0.95), eps=1e-8
     )
+    full_precision = fp32_masters.capture(model)  # DeepSpeed's bf16 cast rounds them; its masters need not be
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=env["ds_config"], mpu=DeepSpeedMpu(layout)
     )
+    fp32_masters.restore(engine, full_precision)
     install_gradient_sync(engine, layout)
     return engine, layout
 

@@ -1,0 +1,79 @@
+"""Full precision for the parameters HF keeps in fp32 (`Glm53Model._keep_in_fp32_modules_strict`: conv1d,
+dt_bias, A_log, mHC base/scale) in a bf16/fp16 DeepSpeed run.
+
+DeepSpeed 0.19.8 casts every parameter to the training dtype (it keeps only buffers in fp32) and then builds its
+fp32 master copies from the cast values, so these parameters would start training from rounded values and be
+saved rounded. The forward pass still sees the rounded parameter (the engine's storage is bf16; docs/numerics.md
+measures that cost), but three things can keep the full values:
+  - `capture` before `deepspeed.initialize` and `restore` after it: the masters start from the unrounded values;
+  - `gather` when saving: checkpoints (and `--export-hf`) store the fp32 masters, as the released layout does;
+  - `restore` after loading a model-only checkpoint, whose stored values are fp32.
+Masters are reached through DeepSpeed's `safe_get/set_full_fp32_param` (ZeRO 1/2/3, BF16_Optimizer) or, for the
+stage-0 bf16/fp16 optimizer, its `fp16_groups`/`fp32_groups` pairs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def fp32_kept_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    patterns = getattr(model, "_keep_in_fp32_modules_strict", ())
+    return [(n, p) for n, p in model.named_parameters() if any(k in n for k in patterns)]
+
+
+def capture(model: nn.Module) -> dict[str, torch.Tensor]:
+    """fp32 copies of the fp32-kept parameters (call before `deepspeed.initialize` rounds them)."""
+    return {n: p.detach().float().clone() for n, p in fp32_kept_parameters(model)}
+
+
+def _stage0_master(engine: Any, param: nn.Parameter) -> torch.Tensor | None:
+    optimizer = engine.optimizer
+    for low, high in zip(
+        getattr(optimizer, "fp16_groups", ()), getattr(optimizer, "fp32_groups", ()), strict=False
+    ):
+        for lp, hp in zip(low, high, strict=False):
+            if lp is param:
+                return hp
+    return None
+
+
+def restore(engine: Any, values: dict[str, torch.Tensor]) -> int:
+    """Set the fp32 masters of the rounded fp32-kept parameters to `values`; returns how many were set.
+    Local (each rank sets its own fragment), but every rank must call it."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    count = 0
+    for name, param in fp32_kept_parameters(engine.module):
+        if param.dtype == torch.float32 or name not in values:
+            continue
+        value = values[name].to(device=param.device, dtype=torch.float32)
+        if hasattr(param, "_hp_mapping") or hasattr(param, "ds_id"):
+            safe_set_full_fp32_param(param, value)
+        elif (master := _stage0_master(engine, param)) is not None:
+            master.data.copy_(value.reshape(master.shape))
+        else:
+            continue
+        count += 1
+    return count
+
+
+def gather(engine: Any) -> dict[str, torch.Tensor]:
+    """The fp32 masters of the rounded fp32-kept parameters, on the CPU. Collective under ZeRO (an all-reduce
+    over each parameter's data-parallel group): every rank calls it."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    out = {}
+    for name, param in fp32_kept_parameters(engine.module):
+        if param.dtype == torch.float32:
+            continue
+        if hasattr(param, "_hp_mapping") or hasattr(param, "ds_id"):
+            master = safe_get_full_fp32_param(param)
+        else:
+            master = _stage0_master(engine, param)
+        if master is not None:
+            out[name] = master.detach().reshape(param.shape).float().cpu()
+    return out
