@@ -51,7 +51,7 @@ step() {  # step LIMIT_SECONDS COMMAND...
     step 120 python3 benchmarks/model_step.py --size tiny --seq 128 --repeats 1
     step 120 python3 benchmarks/mhc_overhead.py --seq 128 --hidden 128 --layers 4
     step 300 python3 -m deepspeed.launcher.runner --num_gpus 1 launch/train.py --train-iters 3 \
-      --deepspeed_config ds_configs/cpu.json --output-dir "$results/train"
+      --deepspeed_config ds_configs/zero2_bf16.json --output-dir "$results/train"
   else
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
