@@ -31,9 +31,11 @@ from .norm import RMSNorm
 def topk_to_mask(topk_tokens: torch.Tensor, kv_length: int) -> torch.Tensor:
     """int [b, s, W] token indices (-1 = none) -> bool [b, 1, s, kv_length] (True = may attend)."""
     valid = (topk_tokens >= 0) & (topk_tokens < kv_length)
-    counts = torch.zeros(*topk_tokens.shape[:2], kv_length, dtype=torch.int32, device=topk_tokens.device)
-    counts.scatter_add_(-1, topk_tokens.clamp(0, kv_length - 1).long(), valid.to(torch.int32))
-    return counts.ne(0).unsqueeze(1)
+    # invalid entries write into a spare last column, dropped after: one byte per (query, key), no counts
+    index = torch.where(valid, topk_tokens, kv_length).long()
+    allowed = torch.zeros(*topk_tokens.shape[:2], kv_length + 1, dtype=torch.bool, device=topk_tokens.device)
+    allowed.scatter_(-1, index, True)
+    return allowed[..., :kv_length].unsqueeze(1)
 
 
 ATTENTION_ENV = "GLM53_ATTENTION"
@@ -74,10 +76,11 @@ def masked_attention(
         probs = F.dropout(probs, p=dropout, training=dropout > 0)
         return torch.matmul(probs, v).transpose(1, 2)
     sees_something = allowed.any(dim=-1, keepdim=True)  # [b, 1, s, 1]
-    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(
-        ~(allowed | ~sees_something), torch.finfo(q.dtype).min
+    # a boolean mask (-inf where False) is HF's finfo.min mask exactly wherever a row allows something: the masked
+    # terms underflow to 0 either way
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed | ~sees_something, dropout_p=dropout, scale=scaling
     )
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout, scale=scaling)
     out = out.transpose(1, 2)  # [b, s, H, dv]
     blind = ~sees_something[:, 0, :, 0]  # [b, s]
     if not blind.any():
