@@ -54,7 +54,7 @@ PRESETS = {"tiny": tiny, "glm-5.3-flash": glm53_flash}
 # Router-bias update rate (aux-loss-free balancing) when --router-bias-update-rate is not given. 1e-3 is
 # DeepSeek-V3's rate for batches of millions of tokens. The tiny preset's 128-token batches collapse to two
 # experts within 10 steps and stay there at 1e-3 (max/mean load 4.0 of a possible 4.0 at step 60 of the README
-# job); 1e-2 brings them back (1.6-2.1 from step 40, final LM loss 2.63 instead of 2.66).
+# job); 1e-2 brings them back (1.6-2.1 from step 40, final LM loss 2.62 instead of 2.66).
 DEFAULT_ROUTER_BIAS_UPDATE_RATE = 1e-3
 PRESET_ROUTER_BIAS_UPDATE_RATE = {"tiny": 1e-2}
 
