@@ -58,8 +58,8 @@ step() {  # step LIMIT_SECONDS COMMAND...
     python3 -c "import glm53_ds.layers.kda_ops as k; print('fla available:', k._fla_available())"
     step 120 python3 benchmarks/gpu_correctness.py
     step 75 python3 benchmarks/hc_post.py --tokens 4096 16384 --hidden 4096 --hc-mult 4 --dtype bf16 fp32
-    step 150 python3 benchmarks/model_step.py --size real --seq 4096 16384 --dtype bf16
-    step 100 python3 benchmarks/mhc_overhead.py --seq 16384 --hidden 4096 --layers 4 --dtype bf16
+    step 140 python3 benchmarks/model_step.py --size real --seq 4096 16384 --dtype bf16
+    step 90 python3 benchmarks/mhc_overhead.py --seq 16384 --hidden 4096 --layers 4 --dtype bf16
     step 90 python3 -m deepspeed.launcher.runner --num_gpus 1 launch/train.py --train-iters 30 \
       --deepspeed_config ds_configs/zero2_bf16.json --output-dir "$results/train"
   fi
