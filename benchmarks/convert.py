@@ -4,7 +4,7 @@ each in its own process (peak RSS over that process's import baseline).
     python3 benchmarks/convert.py [--experts 64] [--layers 12] [--hidden 128]
 
 Peak memory: resident set size sampled every 2 ms over the process's baseline (interpreter, libraries, the
-weight-less model definition), beside the streaming bound 2 x (largest tensor, fp32 + output shard size).
+weight-less model definition), beside the streaming bound 2 x (largest stored tensor + output shard size).
 Last line: `convert hf_to_native_MBps=<x> native_to_hf_MBps=<y> peak_extra_MiB=<max of both>`.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -43,15 +42,15 @@ print(json.dumps(dict(seconds=time.perf_counter() - start, extra_bytes=rss.extra
 SHARD_BYTES = 16 << 20
 
 
-def _tensor_sizes(directory: str) -> list[int]:
+def _largest_tensor_bytes(directory: str) -> int:
     from glm53_ds.convert.safetensors_file import SafetensorsFile
 
-    sizes = []
-    for name in os.listdir(directory):
-        if name.endswith(".safetensors"):
-            f = SafetensorsFile(os.path.join(directory, name))
-            sizes += [math.prod(f.shape(k)) for k in f.keys()]
-    return sizes
+    files = [
+        SafetensorsFile(os.path.join(directory, n))
+        for n in os.listdir(directory)
+        if n.endswith(".safetensors")
+    ]
+    return max(e["data_offsets"][1] - e["data_offsets"][0] for f in files for e in f.entries.values())
 
 
 def main() -> None:
@@ -75,8 +74,7 @@ def main() -> None:
             for f in os.listdir(os.path.join(tmp, "hf"))
             if f.endswith(".safetensors")
         )
-        largest = max(numel * 4 for numel in _tensor_sizes(os.path.join(tmp, "hf")))
-        bound = 2 * (largest + SHARD_BYTES) / 2**20
+        bound = 2 * (_largest_tensor_bytes(os.path.join(tmp, "hf")) + SHARD_BYTES) / 2**20
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # see measure.PeakRss
         rows = []
         for step, src, dst in (("hf-to-native", "hf", "native"), ("native-to-hf", "native", "hf2")):
