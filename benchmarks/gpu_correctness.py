@@ -91,10 +91,10 @@ def check_kda(device: torch.device, small: bool) -> list[dict]:
 
 
 def check_attention(device: torch.device, small: bool) -> list[dict]:
-    """The MLA core's SDPA path vs HF's expression (`GLM53_ATTENTION=eager`), blind (padding) queries included, and
+    """The MLA core's SDPA path vs HF's expression (`attention_impl="eager"`), blind (padding) queries included, and
     the peak memory of each for a forward+backward."""
     from benchmarks.measure import peak_extra_bytes
-    from glm53_ds.layers.mla import ATTENTION_ENV, masked_attention
+    from glm53_ds.layers.mla import masked_attention
 
     b, h, s, d = (1, 2, 96, 64) if small else (1, 8, 4096, 256)
     rows = []
@@ -105,18 +105,16 @@ def check_attention(device: torch.device, small: bool) -> list[dict]:
         allowed[:, :, :8] = False  # blind queries
         results, memory = {}, {}
         for backend in ("eager", "sdpa"):
-            os.environ[ATTENTION_ENV] = backend
             leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
 
-            def step(leaves=leaves, allowed=allowed) -> torch.Tensor:
-                out = masked_attention(*leaves, allowed, d**-0.5)
+            def step(leaves=leaves, allowed=allowed, backend=backend) -> torch.Tensor:
+                out = masked_attention(*leaves, allowed, d**-0.5, backend=backend)
                 out.float().square().mean().backward()
                 return out
 
             out = step()
             results[backend] = [out.detach()] + [t.grad for t in leaves]
             memory[backend] = peak_extra_bytes(step, [q, k, v, allowed] + leaves) / 2**20
-        os.environ.pop(ATTENTION_ENV)
         errs = [rel(a, r) for a, r in zip(results["sdpa"], results["eager"], strict=True)]
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         rows.append(dict(check="attention sdpa vs eager", shape=f"{b}x{h}x{s}x{d}", dtype=str(dtype)[6:],

@@ -1,6 +1,10 @@
 """glm53_ds: GLM-5.3-Flash (transformers `glm5_next`) on megatron-core layer specs, trained with DeepSpeed.
 
-Entry points: `Glm53Config`, `build_model(config, dtype)`, `load_hf(hf_dir, dtype)`.
+Entry points: `Glm53Config`, `make_transformer_config(cfg, dtype)`, `build_model(config, dtype)`,
+`load_hf(hf_dir, dtype)`, `build_engine(model, ds_config, optimizer=None, layout=None)`.
+
+The model half (config, mhc, layers, model, specs) never imports DeepSpeed: `build_engine` is resolved on first
+use (module `__getattr__`), so `import glm53_ds` and every model module stay DeepSpeed-free.
 """
 
 from __future__ import annotations
@@ -8,25 +12,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .config import Glm53Config
+from .hf_loader import load_hf
+from .model import Glm53Model, build_model
+from .transformer_config import make_transformer_config
 
 if TYPE_CHECKING:
-    from .model import Glm53Model
+    from .engine import build_engine
 
-__all__ = ["Glm53Config", "build_model", "load_hf"]
+__all__ = ["Glm53Config", "Glm53Model", "build_engine", "build_model", "load_hf", "make_transformer_config"]
 __version__ = "0.1.0"
 
 
-def build_model(config: Any, dtype: Any = None, **kwargs: Any) -> Glm53Model:
-    import torch
+def __getattr__(name: str) -> Any:
+    if name == "build_engine":  # the DeepSpeed half, imported only when asked for
+        from .engine import build_engine
 
-    from .model import build_model as _build
-
-    return _build(config, dtype=dtype or torch.float32, **kwargs)
-
-
-def load_hf(hf_dir: str, dtype: Any = None, **kwargs: Any) -> Glm53Model:
-    import torch
-
-    from .hf_loader import load_hf as _load
-
-    return _load(hf_dir, dtype=dtype or torch.float32, **kwargs)
+        return build_engine
+    raise AttributeError(f"module 'glm53_ds' has no attribute {name!r}")

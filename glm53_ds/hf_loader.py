@@ -11,10 +11,10 @@ MTP: loaded when the checkpoint has the MTP layer (`layers.<num_hidden_layers>.*
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 from .config import Glm53Config
 from .convert.import_hf import HFSource
@@ -23,10 +23,13 @@ from .convert.names import (
     canonical_text_name,
     is_mtp_name,
     is_mtp_shared_duplicate,
+    released_expert,
     released_layout,
     split_to_released,
 )
+from .layers.moe import GroupedExperts
 from .model import Glm53Model, build_model
+from .parallel.expert_shard import ExpertShard
 
 
 class CheckpointError(ValueError):
@@ -41,52 +44,45 @@ def checkpoint_has_mtp(names: list[str], cfg: Glm53Config) -> bool:
     return any(is_mtp_name(n, cfg) for n in names)
 
 
-@dataclass(frozen=True)
-class ExpertShard:
-    """This rank's part of the routed experts: EP rank `ep_rank` of `ep`, ETP rank `etp_rank` of `etp`."""
-
-    ep: int = 1
-    ep_rank: int = 0
-    etp: int = 1
-    etp_rank: int = 0
-
-
-_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+def model_expert_shard(model: nn.Module, cfg: Glm53Config) -> ExpertShard:
+    """The expert shard a model was built with (every MoE layer holds the same one)."""
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            return module.shard
+    return ExpertShard.for_config(cfg)
 
 
 def _localize(
-    released: str, piece: torch.Tensor, placement: Placement, cfg: Glm53Config, shard: ExpertShard
+    released: str, piece: torch.Tensor, placement: Placement, shard: ExpertShard
 ) -> tuple[Placement, torch.Tensor] | None:
-    """Map a full-model placement of an expert tensor to this rank's shard; None if another rank holds it."""
-    m = _EXPERT.search(released)
-    if m is None or (shard.ep == 1 and shard.etp == 1):
+    """Map a full-model placement of a released tensor to this rank's shard; None if another rank holds it."""
+    expert = released_expert(released)
+    if expert is None or (shard.ep == 1 and shard.etp == 1):
         return placement, piece
-    local = cfg.n_routed_experts // shard.ep
-    expert, kind = int(m.group(1)), m.group(2)
-    if expert // local != shard.ep_rank:
+    e, kind = expert
+    if not shard.owns(e):
         return None
-    inner = cfg.moe_intermediate_size // shard.etp
-    part = slice(shard.etp_rank * inner, (shard.etp_rank + 1) * inner)
-    e = expert % local
+    local = shard.local_index(e)
+    # a piece whose intermediate size is wrong stays whole, so the shape check reports it as stored
     if kind == "down_proj":
-        return Placement(placement.native, (e,)), piece[:, part]
-    row0 = 0 if kind == "gate_proj" else inner
-    return Placement(placement.native, (e, slice(row0, row0 + inner))), piece[part]
+        fits = piece.dim() == 2 and piece.shape[1] == shard.intermediate
+        return Placement(placement.native, (local,)), shard.slice_down(piece) if fits else piece
+    fits = piece.dim() == 2 and piece.shape[0] == shard.intermediate
+    return Placement(placement.native, (local, shard.gate_up_rows(kind))), shard.slice_gate(
+        piece
+    ) if fits else piece
 
 
-def wanted_by_shard(name: str, cfg: Glm53Config, shard: ExpertShard) -> bool:
+def _wanted(name: str, shard: ExpertShard) -> bool:
     """Whether this rank needs the released tensor `name` at all (experts of other EP ranks are never read)."""
-    m = _EXPERT.search(name)
-    if m is None or shard.ep == 1:
-        return True
-    return int(m.group(1)) // (cfg.n_routed_experts // shard.ep) == shard.ep_rank
+    expert = released_expert(name)
+    return expert is None or shard.owns(expert[0])
 
 
-def load_hf_state_into(
-    model: Glm53Model, checkpoint: SafetensorsCheckpoint, mtp: bool, shard: ExpertShard | None = None
-) -> None:
+def load_hf_state_into(model: Glm53Model, checkpoint: SafetensorsCheckpoint, mtp: bool) -> None:
+    """Fill `model` from a released checkpoint; each rank reads only the expert tensors of its own shard."""
     cfg = model.glm
-    shard = shard or ExpertShard()
+    shard = model_expert_shard(model, cfg)
     layout = released_layout(cfg, mtp=mtp)
     state = model.state_dict()
     filled: dict[str, int] = {}
@@ -94,11 +90,7 @@ def load_hf_state_into(
     unexpected: list[str] = []
     mismatched: list[str] = []
 
-    names = [
-        n
-        for n in checkpoint.keys()
-        if (c := canonical_text_name(n)) is None or wanted_by_shard(c, cfg, shard)
-    ]
+    names = [n for n in checkpoint.keys() if (c := canonical_text_name(n)) is None or _wanted(c, shard)]
     for raw_name, tensor in checkpoint.tensors(names):
         name = canonical_text_name(raw_name)
         if name is None or is_mtp_shared_duplicate(name, cfg):
@@ -115,21 +107,22 @@ def load_hf_state_into(
                 continue
             seen.add(released)
             for full in placements:
-                local = _localize(released, piece, full, cfg, shard)
+                local = _localize(released, piece, full, shard)
                 if local is None:
                     continue
                 p, part = local
                 target = state[p.native][p.index] if p.index else state[p.native]
-                if tuple(piece.shape) != tuple(target.shape):
+                if tuple(part.shape) != tuple(target.shape):
                     mismatched.append(
                         f"{released}: checkpoint shape {tuple(piece.shape)}, expected {tuple(target.shape)}"
+                        + (f" (this rank's part of {released})" if part is not piece else "")
                     )
                     continue
                 with torch.no_grad():
-                    target.copy_(piece.to(target.dtype))
+                    target.copy_(part.to(target.dtype))
                 filled[p.native] = filled.get(p.native, 0) + target.numel()
 
-    missing = [n for n in layout if n not in seen and wanted_by_shard(n, cfg, shard)]
+    missing = [n for n in layout if n not in seen and _wanted(n, shard)]
     problems = []
     if missing:
         problems.append(f"missing {len(missing)} tensor(s): {_listing(missing)}")
@@ -150,13 +143,16 @@ def load_hf_state_into(
         raise CheckpointError(f"parameters not fully covered by the checkpoint: {_listing(incomplete)}")
 
 
-def load_hf(hf_dir: str, dtype: torch.dtype = torch.float32, mtp: bool | None = None) -> Glm53Model:
-    """Build the model from `hf_dir/config.json` and load its safetensors. See the module docstring for MTP."""
+def load_hf(
+    hf_dir: str, dtype: torch.dtype = torch.float32, mtp: bool | None = None, **overrides: Any
+) -> Glm53Model:
+    """Build the model from `hf_dir/config.json` and load its safetensors. See the module docstring for MTP.
+    `overrides`: transformer-config fields (e.g. `attention_impl="eager"`)."""
     cfg = Glm53Config.from_hf(hf_dir)
     checkpoint = SafetensorsCheckpoint(hf_dir)
     has_mtp = cfg.num_nextn_predict_layers > 0 and checkpoint_has_mtp(checkpoint.keys(), cfg)
     use_mtp = has_mtp if mtp is None else mtp
-    model = build_model(cfg, dtype=dtype, mtp=use_mtp)
+    model = build_model(cfg, dtype=dtype, mtp=use_mtp, **overrides)
     load_hf_state_into(model, checkpoint, mtp=use_mtp)
     return model
 

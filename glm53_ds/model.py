@@ -7,13 +7,18 @@
 `model(input_ids, attention_mask=None, labels=None)` returns logits, or the loss when labels are given
 (HF convention: labels aligned with input_ids, shifted inside; -100 ignored). With MTP the loss is
 `lm_loss + mtp_loss_weight * mean_k(mtp_loss_k)` (+ the MoE sequence auxiliary losses when
-`moe_seq_aux_loss_coef > 0`); `model.last_losses` keeps the parts.
+`moe_seq_aux_loss_coef > 0`); `return_parts=True` returns them as a `LossParts` of tensors instead (nothing
+in the forward pass waits for the host; the caller reads the values when it logs).
+Process groups come in as megatron's `pg_collection` (the layout's); without one, megatron's global state.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import VocabParallelEmbedding
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_block import TransformerBlock
@@ -28,6 +33,25 @@ from .specs import get_glm53_block_spec, get_glm53_mtp_block_spec
 from .transformer_config import Glm53TransformerConfig, make_transformer_config
 
 IGNORE_INDEX = -100
+
+
+@dataclass
+class LossParts:
+    """The training loss and its parts, as tensors (0-d; `mtp` / `aux` None when the model has none)."""
+
+    total: torch.Tensor
+    lm: torch.Tensor
+    mtp: torch.Tensor | None = None
+    aux: torch.Tensor | None = None
+
+    def detached(self) -> dict[str, torch.Tensor]:
+        """The parts to log, detached: lm_loss, and mtp_loss / aux_loss when present."""
+        out = {"lm_loss": self.lm.detach()}
+        if self.mtp is not None:
+            out["mtp_loss"] = self.mtp.detach()
+        if self.aux is not None:
+            out["aux_loss"] = self.aux.detach()
+        return out
 
 
 class Glm53Model(nn.Module):
@@ -45,11 +69,14 @@ class Glm53Model(nn.Module):
         "ffn_hc.scale",
     ]
 
-    def __init__(self, config: Glm53TransformerConfig, mtp: bool | None = None) -> None:
+    def __init__(
+        self,
+        config: Glm53TransformerConfig,
+        mtp: bool | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ) -> None:
         super().__init__()
         cfg = config.glm
-        if cfg is None:
-            raise ValueError("Glm53Model needs a Glm53TransformerConfig with .glm set")
         self.config = config
         self.glm = cfg
         self.embedding = VocabParallelEmbedding(
@@ -61,7 +88,9 @@ class Glm53Model(nn.Module):
             self.embedding.weight.register_hook(
                 lambda g: g.index_fill(0, torch.tensor([pad], device=g.device), 0.0)
             )
-        self.decoder = TransformerBlock(config, get_glm53_block_spec(cfg), post_layer_norm=False)
+        self.decoder = TransformerBlock(
+            config, get_glm53_block_spec(cfg), post_layer_norm=False, pg_collection=pg_collection
+        )
         self.final_norm = RMSNorm(config, cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.output_layer = ColumnLinear(config, cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
@@ -69,12 +98,12 @@ class Glm53Model(nn.Module):
         use_mtp = cfg.num_nextn_predict_layers > 0 if mtp is None else mtp
         self.mtp = (
             nn.ModuleList(
-                build_module(spec, config=config) for spec in get_glm53_mtp_block_spec(cfg).layer_specs
+                build_module(spec, config=config, pg_collection=pg_collection)
+                for spec in get_glm53_mtp_block_spec(cfg).layer_specs
             )
             if use_mtp
             else None
         )
-        self.last_losses: dict[str, float] = {}
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -83,10 +112,11 @@ class Glm53Model(nn.Module):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         next_tokens: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        return_parts: bool = False,
+    ) -> torch.Tensor | LossParts:
         """`next_tokens [b, m]` (optional) continue `labels` past the input, so that the last positions get
         targets too (training windows of seq_length + 1 tokens: input = window[:-1], labels = window[:-1],
-        next_tokens = window[-1:])."""
+        next_tokens = window[-1:]). With labels: the loss, or all its parts with `return_parts=True`."""
         mask = self._check_inputs(input_ids, attention_mask, labels)
         if next_tokens is not None and labels is not None:
             labels = torch.cat([labels, next_tokens.to(labels.dtype)], dim=1)
@@ -95,8 +125,7 @@ class Glm53Model(nn.Module):
         if labels is None:
             return logits
         lm_loss = causal_lm_loss(logits, labels, shift=1)
-        self.last_losses = {"lm_loss": lm_loss.item()}
-        loss = lm_loss
+        loss, mtp_loss, aux_loss = lm_loss, None, None
         if self.mtp is not None:
             normed = self._mtp_normed(hidden, input_ids, mask)
             mtp_loss = torch.stack(
@@ -105,14 +134,12 @@ class Glm53Model(nn.Module):
                     for depth, n in enumerate(normed, start=1)
                 ]
             ).mean()
-            self.last_losses["mtp_loss"] = mtp_loss.item()
             loss = loss + self.glm.mtp_loss_weight * mtp_loss
         aux = [a for m in self.modules() if isinstance(a := getattr(m, "aux_loss", None), torch.Tensor)]
         if aux:
             aux_loss = torch.stack(aux).sum()
-            self.last_losses["aux_loss"] = aux_loss.item()
             loss = loss + aux_loss
-        return loss
+        return LossParts(loss, lm_loss, mtp_loss, aux_loss) if return_parts else loss
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
         return self.output_layer(normed).float().transpose(0, 1)  # [s, b, V] -> [b, s, V]
@@ -195,6 +222,7 @@ def build_model(
     config: Glm53Config | Glm53TransformerConfig,
     dtype: torch.dtype = torch.float32,
     mtp: bool | None = None,
+    pg_collection: ProcessGroupCollection | None = None,
     **overrides,
 ) -> Glm53Model:
     """A randomly initialised model; sets up a world-1 process group and megatron parallel state if needed."""
@@ -204,4 +232,4 @@ def build_model(
         if isinstance(config, Glm53TransformerConfig)
         else make_transformer_config(config, dtype, **overrides)
     )
-    return Glm53Model(tconfig, mtp=mtp)
+    return Glm53Model(tconfig, mtp=mtp, pg_collection=pg_collection)

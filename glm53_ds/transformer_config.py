@@ -7,25 +7,39 @@ mHC, MTP) read `config.glm`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from . import backends
 from .config import Glm53Config
 
 
 @dataclass
 class Glm53TransformerConfig(TransformerConfig):
-    glm: Glm53Config | None = None
+    glm: Glm53Config = field(kw_only=True)  # required: every GLM module reads it
+    # Kernel backends (glm53_ds/backends.py); the environment supplies only the defaults.
+    attention_impl: str = field(default_factory=lambda: backends.default(backends.ATTENTION))
+    kda_impl: str = field(default_factory=lambda: backends.default(backends.KDA))
+    hc_post_impl: str = field(default_factory=lambda: backends.default(backends.HC_POST))
     # Selective recompute of the mHC pre/post (megatron validates recompute_modules against its own list,
     # so "mhc" is carried here; make_transformer_config accepts it inside recompute_modules).
     recompute_mhc: bool = False
     # Sequence-wise auxiliary balance loss weight (DeepSeek-V3); 0 = off. GLM-5.3 balances with the router
     # bias (aux-loss-free); set e.g. cfg.router_aux_loss_coef to add this loss as well.
     moe_seq_aux_loss_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.glm, Glm53Config):
+            raise TypeError(
+                f"Glm53TransformerConfig.glm must be a Glm53Config, got {type(self.glm).__name__}"
+            )
+        for name in (backends.ATTENTION, backends.KDA, backends.HC_POST):
+            setattr(self, name, backends.check(name, getattr(self, name)))
+        super().__post_init__()
 
 
 def make_transformer_config(

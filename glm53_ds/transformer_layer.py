@@ -16,15 +16,19 @@ Full recompute is megatron's (`TransformerBlock._checkpointed_forward`).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from torch.utils.checkpoint import checkpoint
 
+from .layers.moe import Glm53MoE
 from .mhc import hc_post
 
 
@@ -44,7 +48,16 @@ class Glm53TransformerLayer(TransformerLayer):
         pg_collection=None,
         vp_stage: int | None = None,
     ) -> None:
+        # megatron's TransformerLayer hands its process groups only to megatron's own MoE classes; the GLM MoE is
+        # built here with them instead, so it never reads global parallel state.
+        mlp_spec, mlp_class = submodules.mlp, _module_class(submodules.mlp)
+        glm_moe = mlp_class is not None and issubclass(mlp_class, Glm53MoE)
+        if glm_moe:
+            submodules = dataclasses.replace(submodules, mlp=IdentityOp)  # type: ignore[call-arg]
         super().__init__(config, submodules, layer_number, hidden_dropout, pg_collection, vp_stage)
+        if glm_moe:
+            self.mlp = build_module(mlp_spec, config=self.config, pg_collection=self.pg_collection)
+        self.hc_post = functools.partial(hc_post, backend=config.hc_post_impl)
         # fn in the model dtype, as HF keeps it (base/scale stay fp32 inside HyperConnection)
         hc_kwargs = dict(fn_dtype=config.params_dtype)
         self.attn_hc = (
@@ -74,7 +87,7 @@ class Glm53TransformerLayer(TransformerLayer):
             return streams + out, extra
         collapsed, post, comb = self._maybe_recompute(self.recompute_mhc, hc, streams)
         out, extra = _split(block(norm(collapsed), **block_kwargs))
-        return self._maybe_recompute(self.recompute_mhc, hc_post, out, streams, post, comb), extra
+        return self._maybe_recompute(self.recompute_mhc, self.hc_post, out, streams, post, comb), extra
 
     def forward(
         self,
@@ -98,6 +111,11 @@ class Glm53TransformerLayer(TransformerLayer):
 
         streams, _ = self._sublayer(self.ffn_hc, self.pre_mlp_layernorm, ffn_maybe_recomputed, streams)
         return streams, selection
+
+
+def _module_class(spec: Any) -> type | None:
+    module = spec.module if isinstance(spec, ModuleSpec) else spec
+    return module if isinstance(module, type) else None
 
 
 def _split(result: Any) -> tuple[torch.Tensor, Any]:

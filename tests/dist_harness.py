@@ -15,7 +15,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from glm53_ds.compat.deepspeed_shm import remove_buffers
-from glm53_ds.parallel.initialize import free_port
+from glm53_ds.parallel.state import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

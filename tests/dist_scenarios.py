@@ -18,16 +18,11 @@ SEQ = 24
 
 
 def _setup(ep: int, etp: int):  # type: ignore[no-untyped-def]
-    import deepspeed
+    from glm53_ds.engine import init_distributed
+    from glm53_ds.parallel import init_layout
 
-    from glm53_ds.parallel.initialize import initialize
-
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-        from glm53_ds.compat.deepspeed_shm import register_cleanup
-
-        register_cleanup()
-    return initialize(ep, etp)
+    init_distributed()  # the harness sets RANK / WORLD_SIZE / MASTER_*: gloo over this world
+    return init_layout(ep, etp)
 
 
 def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -37,15 +32,14 @@ def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _models(ckpt: str, layout, dtype: torch.dtype):  # type: ignore[no-untyped-def]
     import glm53_ds
     from glm53_ds.model import Glm53Model
-    from glm53_ds.parallel.expert_sharding import shard_state_dict
     from glm53_ds.transformer_config import make_transformer_config
 
     ref = glm53_ds.load_hf(ckpt)
     config = make_transformer_config(
         ref.glm, dtype=dtype, expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp
     )
-    model = Glm53Model(config, mtp=False)
-    shard = shard_state_dict(_full_state(ref), layout.ep, layout.ep_rank, layout.etp, layout.etp_rank)
+    model = Glm53Model(config, mtp=False, pg_collection=layout.pg_collection)
+    shard = layout.expert_shard(ref.glm).shard_state_dict(_full_state(ref))
     model.load_state_dict({k: v.to(model.state_dict()[k].dtype) for k, v in shard.items()}, strict=False)
     return ref, model
 
@@ -63,8 +57,9 @@ def _compare_to_reference(
     model, ref, layout, use_grad: bool, worst_names: dict | None = None
 ) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """Max relative error of this rank's params (or grads) vs the reference, split expert / non-expert."""
-    from glm53_ds.parallel.expert_sharding import shard_down, shard_gate_up
+    from glm53_ds.parallel.expert_shard import expert_tensor_kind
 
+    shard = layout.expert_shard(ref.glm)
     ref_params = dict(ref.named_parameters())
     worst = {"expert": 0.0, "non_expert": 0.0}
     for name, p in model.named_parameters():
@@ -72,11 +67,9 @@ def _compare_to_reference(
         mine, theirs = (p.grad, r.grad) if use_grad else (p.detach(), r.detach())
         if theirs is None:  # indexer parameters have no gradient (HF's no_grad indexer)
             continue
-        if name.endswith("experts.gate_up_proj"):
-            theirs = shard_gate_up(theirs, layout.ep, layout.ep_rank, layout.etp, layout.etp_rank)
-        elif name.endswith("experts.down_proj"):
-            theirs = shard_down(theirs, layout.ep, layout.ep_rank, layout.etp, layout.etp_rank)
-        kind = "expert" if name.endswith(("gate_up_proj", "down_proj")) else "non_expert"
+        if (tensor_kind := expert_tensor_kind(name)) is not None:
+            theirs = shard.shard(tensor_kind, theirs)
+        kind = "expert" if tensor_kind is not None else "non_expert"
         err = rel_err(mine.float(), theirs.float())
         if worst_names is not None and err > worst[kind]:
             worst_names[kind] = name
@@ -87,20 +80,20 @@ def _compare_to_reference(
 
 
 def _engine(model, layout, stage: int, dtype: torch.dtype, optimizer: str, lr: float, patch: bool,
-            gas: int = 1, overlap_comm: bool = False, clip: float = 0.0, bf16_optimizer: bool = False):  # type: ignore[no-untyped-def]  # fmt: skip
-    import deepspeed
+            gas: int = 1, overlap_comm: bool = False, clip: float = 0.0, bf16_optimizer: bool = False,
+            restore_masters: bool = True):  # type: ignore[no-untyped-def]  # fmt: skip
+    """An engine through `glm53_ds.build_engine`; `patch=False` / `restore_masters=False` are the controls (the
+    gradient-sync patch / the fp32-master restore replaced by no-ops for this build only)."""
+    from unittest import mock
 
-    from glm53_ds.parallel.deepspeed_setup import optimizer_param_groups, prepare_model_for_deepspeed
-    from glm53_ds.parallel.grad_sync import install_gradient_sync
-    from glm53_ds.parallel.initialize import DeepSpeedMpu
+    import glm53_ds
+    from glm53_ds.engine import build
 
-    prepare_model_for_deepspeed(model, layout)
-    groups = optimizer_param_groups(model)
-    opt = (
-        torch.optim.SGD(groups, lr=lr)
-        if optimizer == "sgd"
-        else torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    )
+    def make_optimizer(groups):  # type: ignore[no-untyped-def]
+        if optimizer == "sgd":
+            return torch.optim.SGD(groups, lr=lr)
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": gas,
@@ -118,12 +111,19 @@ def _engine(model, layout, stage: int, dtype: torch.dtype, optimizer: str, lr: f
     }
     if bf16_optimizer:
         config["data_types"] = {"grad_accum_dtype": "fp32"}
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=opt, config=config, mpu=DeepSpeedMpu(layout)
-    )
-    if patch:
-        install_gradient_sync(engine, layout)
-    return engine
+    with (
+        mock.patch.object(
+            build, "install_gradient_sync", build.install_gradient_sync if patch else _no_patch
+        ),
+        mock.patch.object(
+            build.fp32_masters, "restore", build.fp32_masters.restore if restore_masters else _no_patch
+        ),
+    ):
+        return glm53_ds.build_engine(model, config, optimizer=make_optimizer, layout=layout)
+
+
+def _no_patch(*args: Any) -> bool:
+    return False
 
 
 def forward_and_gradients(ckpt: str, ep: int, etp: int) -> dict[str, Any]:
@@ -161,7 +161,7 @@ def forward_and_gradients(ckpt: str, ep: int, etp: int) -> dict[str, Any]:
         expert_grads[key] = [
             p.grad.clone() for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))
         ]
-        out[f"grad_norm_{key}"] = global_grad_norm(model).item()
+        out[f"grad_norm_{key}"] = global_grad_norm(model, layout.pg_collection.tp_ep).item()
         if patch:
             from deepspeed.runtime.utils import clip_grad_norm_
 
@@ -177,8 +177,8 @@ def forward_and_gradients(ckpt: str, ep: int, etp: int) -> dict[str, Any]:
 
 def training_steps(ckpt: str, ep: int, etp: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Two optimizer steps per case on different global batches; replica identity and reference distance."""
+    from glm53_ds.layers.moe import update_router_bias
     from glm53_ds.parallel.replicas import ReplicaMismatch, check_replicas
-    from glm53_ds.parallel.router_balance import update_router_bias
 
     layout = _setup(ep, etp)
     rank, world = layout.rank, layout.world_size
@@ -266,7 +266,7 @@ def _checkpoint_roundtrip(ckpt: str, ep: int, etp: int, save_dir: str, stage: in
     must match bitwise on every rank, and the expert shards must be in distinct files."""
     import os
 
-    from glm53_ds.parallel.checkpoint import load_checkpoint, save_checkpoint
+    from glm53_ds.engine import load_checkpoint, save_checkpoint
 
     layout = _setup(ep, etp)
     rank, world = layout.rank, layout.world_size
@@ -283,12 +283,12 @@ def _checkpoint_roundtrip(ckpt: str, ep: int, etp: int, save_dir: str, stage: in
     engine = fresh_engine()
     step(engine, 1)
     saved = _full_state(engine.module)
-    save_checkpoint(engine, layout, save_dir, "step1", client_state={"step": 1})
+    save_checkpoint(engine, save_dir, "step1", client_state={"step": 1})
     step(engine, 2)
     continued = _full_state(engine.module)
 
     resumed = fresh_engine()
-    client = load_checkpoint(resumed, layout, save_dir)
+    client = load_checkpoint(resumed, save_dir)
     restored_equal = all(torch.equal(v, saved[k]) for k, v in _full_state(resumed.module).items())
     step(resumed, 2)
     after = _full_state(resumed.module)
@@ -324,8 +324,7 @@ def bf16_keeps_fp32(ckpt: str, ep: int, etp: int, save_dir: str) -> dict[str, An
     import os
 
     from glm53_ds.convert.native_format import ShardReader
-    from glm53_ds.parallel import fp32_masters
-    from glm53_ds.parallel.checkpoint import load_checkpoint, save_checkpoint
+    from glm53_ds.engine import fp32_masters, load_checkpoint, save_checkpoint
 
     layout = _setup(ep, etp)
     out: dict[str, Any] = {}
@@ -334,11 +333,8 @@ def bf16_keeps_fp32(ckpt: str, ep: int, etp: int, save_dir: str) -> dict[str, An
         def engine_for(restore: bool, stage: int = stage):  # type: ignore[no-untyped-def]
             _, model = _models(ckpt, layout, torch.bfloat16)
             values = fp32_masters.capture(model)
-            engine = _engine(
-                model, layout, stage=stage, dtype=torch.bfloat16, optimizer="adamw", lr=1e-3, patch=True
-            )
-            if restore:
-                fp32_masters.restore(engine, values)
+            engine = _engine(model, layout, stage=stage, dtype=torch.bfloat16, optimizer="adamw", lr=1e-3,
+                             patch=True, restore_masters=restore)  # fmt: skip
             return engine, values
 
         control, values = engine_for(restore=False)
@@ -351,12 +347,12 @@ def bf16_keeps_fp32(ckpt: str, ep: int, etp: int, save_dir: str) -> dict[str, An
             engine.step()
         masters = fp32_masters.gather(engine)
         directory = os.path.join(save_dir, f"stage{stage}")
-        save_checkpoint(engine, layout, directory, "step2")
+        save_checkpoint(engine, directory, "step2")
         stored = dict(ShardReader(os.path.join(directory, "step2", "glm53"), "replicated").items())
         out[f"stage{stage}_saved_fp32"] = all(stored[k].dtype == torch.float32 for k in masters)
         out[f"stage{stage}_saved_vs_masters"] = _max_diff({k: stored[k] for k in masters}, masters)
         resumed, _ = engine_for(restore=False)
-        load_checkpoint(resumed, layout, directory, "step2")
+        load_checkpoint(resumed, directory, "step2")
         out[f"stage{stage}_full_load"] = _max_diff(fp32_masters.gather(resumed), masters)
         dist.barrier()
         if layout.rank == 0:  # the same files as a model-only checkpoint (what the converter writes)
@@ -365,7 +361,7 @@ def bf16_keeps_fp32(ckpt: str, ep: int, etp: int, save_dir: str) -> dict[str, An
             json.dump({**meta, "model_only": True}, open(meta_path, "w"))
         dist.barrier()
         fresh, _ = engine_for(restore=False)
-        load_checkpoint(fresh, layout, directory, "step2")
+        load_checkpoint(fresh, directory, "step2")
         out[f"stage{stage}_model_only_load"] = _max_diff(fp32_masters.gather(fresh), masters)
         out[f"stage{stage}_optimizer"] = type(engine.optimizer).__name__
 

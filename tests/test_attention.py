@@ -10,8 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from glm53_ds.layers.mla import ATTENTION_ENV, masked_attention
-from tests.model_fixtures import rel_err
+import glm53_ds
+from glm53_ds.config import Glm53Config
+from glm53_ds.layers.mla import masked_attention
+from tests.model_fixtures import CONFIG_A, rel_err
 
 B, H, S, D = 2, 3, 40, 16
 
@@ -34,8 +36,7 @@ def _run(fn):
 
 
 def _with_backend(monkeypatch, backend):
-    monkeypatch.setenv(ATTENTION_ENV, backend)
-    return _run(lambda q, k, v, allowed: masked_attention(q, k, v, allowed, D**-0.5))
+    return _run(lambda q, k, v, allowed: masked_attention(q, k, v, allowed, D**-0.5, backend=backend))
 
 
 def test_sdpa_matches_eager_with_blind_queries(monkeypatch):
@@ -59,7 +60,9 @@ def test_control_plain_sdpa_gets_blind_query_gradients_wrong(monkeypatch):
 
 
 def test_unknown_backend_is_named(monkeypatch):
-    monkeypatch.setenv(ATTENTION_ENV, "flash")
     q, k, v, allowed = _inputs()
-    with pytest.raises(ValueError, match="GLM53_ATTENTION='flash'"):
-        masked_attention(q, k, v, allowed, D**-0.5)
+    with pytest.raises(ValueError, match="attention_impl='flash'"):
+        masked_attention(q, k, v, allowed, D**-0.5, backend="flash")
+    monkeypatch.setenv("GLM53_ATTENTION", "flash")  # a bad default is named with its variable
+    with pytest.raises(ValueError, match="attention_impl='flash' \\(from GLM53_ATTENTION='flash'\\)"):
+        glm53_ds.make_transformer_config(Glm53Config.from_text_dict(CONFIG_A))

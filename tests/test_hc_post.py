@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm53_ds.mhc import hc_post, hc_post_eager, hc_post_hf_expression, resolve_backend
+from glm53_ds import backends
+from glm53_ds.mhc import hc_post, hc_post_eager, hc_post_hf_expression
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (leading shape, hc_mult, hidden): D not a multiple of the block, and D spanning several blocks
@@ -177,20 +178,48 @@ def test_torch_compile_fullgraph(backend):
 
 # --------------------------------------------------------------------------- dispatch and input checks
 def test_backend_selection(monkeypatch):
-    x = torch.zeros(2, 4)
+    cpu = torch.device("cpu")
     monkeypatch.delenv("GLM53_HC_POST", raising=False)
-    assert resolve_backend(x) == "eager"  # CPU default
-    monkeypatch.setenv("GLM53_HC_POST", "triton")
+    assert (
+        backends.resolve(backends.HC_POST, backends.default(backends.HC_POST), cpu) == "eager"
+    )  # CPU default
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert resolve_backend(x) == "triton"
+    assert backends.resolve(backends.HC_POST, "triton", cpu) == "triton"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        resolve_backend(x)
-    monkeypatch.setenv("GLM53_HC_POST", "eager")
-    assert resolve_backend(x) == "eager"
-    monkeypatch.setenv("GLM53_HC_POST", "cuda")
-    with pytest.raises(ValueError, match="GLM53_HC_POST='cuda'"):
-        resolve_backend(x)
+        backends.resolve(backends.HC_POST, "triton", cpu)
+    assert backends.resolve(backends.HC_POST, "eager", cpu) == "eager"
+    with pytest.raises(ValueError, match="hc_post_impl='cuda': expected one of auto, eager, triton"):
+        backends.resolve(backends.HC_POST, "cuda", cpu)
+    monkeypatch.setenv("GLM53_HC_POST", "cuda")  # the environment supplies defaults only, checked when read
+    with pytest.raises(ValueError, match="hc_post_impl='cuda' \\(from GLM53_HC_POST='cuda'\\)"):
+        backends.default(backends.HC_POST)
+
+
+def test_config_field_picks_the_path(monkeypatch):
+    """The transformer config's hc_post_impl decides (the environment only its default), and a layer runs it."""
+    import glm53_ds
+    import glm53_ds.mhc.hc_post_triton as kernels
+    from glm53_ds.config import Glm53Config
+    from tests.model_fixtures import CONFIG_A
+
+    calls = []
+    real = kernels.hc_post_forward
+    monkeypatch.setattr(kernels, "hc_post_forward", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = Glm53Config.from_text_dict(CONFIG_A)
+    ids = torch.randint(1, cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setenv("GLM53_HC_POST", "triton")  # a default: read when the config is built
+    model = glm53_ds.build_model(cfg, mtp=False)
+    assert model.config.hc_post_impl == "triton"
+    monkeypatch.setenv("GLM53_HC_POST", "eager")  # too late for that model: its config decides
+    with torch.no_grad():
+        model(ids)
+    assert calls, "the triton kernels did not run"
+    calls.clear()
+    with torch.no_grad():
+        glm53_ds.build_model(cfg, mtp=False, hc_post_impl="eager")(ids)
+    assert not calls
 
 
 def test_env_forces_path(monkeypatch):
@@ -200,12 +229,14 @@ def test_env_forces_path(monkeypatch):
 
     real = kernels.hc_post_forward
     monkeypatch.setattr(kernels, "hc_post_forward", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setenv("GLM53_HC_POST", "triton")
+    monkeypatch.setenv("GLM53_HC_POST", "triton")  # hc_post(backend=None) takes the default
     hc_post(*inputs)
     assert calls == [1]
     monkeypatch.setenv("GLM53_HC_POST", "eager")
     hc_post(*inputs)
     assert calls == [1]
+    hc_post(*inputs, backend="triton")  # an explicit backend wins
+    assert calls == [1, 1]
 
 
 @pytest.mark.parametrize(

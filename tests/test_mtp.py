@@ -98,10 +98,11 @@ def test_mtp_matches_independent_reference(checkpoint_with_mtp, padding):
             hf, cfg, mtp_tensors, ids, mask, labels
         )
         logits = model.mtp_logits(ids, attention_mask=mask)[0]
-        loss = model(ids, attention_mask=mask, labels=labels)
+        parts = model(ids, attention_mask=mask, labels=labels, return_parts=True)
+        loss = parts.total
     assert rel_err(logits[mtp_mask], ref_logits[mtp_mask]) <= 1e-5
-    assert abs(model.last_losses["mtp_loss"] - ref_mtp_loss.item()) <= 1e-5 * ref_mtp_loss.item()
-    assert abs(model.last_losses["lm_loss"] - ref_lm_loss.item()) <= 1e-5 * ref_lm_loss.item()
+    assert abs(parts.mtp.item() - ref_mtp_loss.item()) <= 1e-5 * ref_mtp_loss.item()
+    assert abs(parts.lm.item() - ref_lm_loss.item()) <= 1e-5 * ref_lm_loss.item()
     expected = ref_lm_loss + cfg.mtp_loss_weight * ref_mtp_loss
     assert rel_err(loss, expected) <= 1e-5
 
@@ -126,8 +127,8 @@ def test_mtp_loss_weight_is_configurable(checkpoint_with_mtp):
     ids, mask, labels = batch(cfg.vocab_size, s=20)
     model.glm.mtp_loss_weight = 0.0
     with torch.no_grad():
-        loss = model(ids, attention_mask=mask, labels=labels)
-    assert abs(loss.item() - model.last_losses["lm_loss"]) <= 1e-6
+        parts = model(ids, attention_mask=mask, labels=labels, return_parts=True)
+    assert abs(parts.total.item() - parts.lm.item()) <= 1e-6
 
 
 def test_missing_mtp_requested_is_named(tmp_path):

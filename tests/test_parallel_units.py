@@ -8,10 +8,11 @@ import torch
 
 import glm53_ds
 from glm53_ds.config import Glm53Config
-from glm53_ds.parallel.grad_sync import install_gradient_sync
-from glm53_ds.parallel.initialize import DeepSpeedMpu, initialize, validate_layout
+from glm53_ds.engine.deepspeed_internals import install_gradient_sync
+from glm53_ds.engine.mpu import DeepSpeedMpu
+from glm53_ds.layers.moe import update_router_bias
+from glm53_ds.parallel import init_layout, validate_layout
 from glm53_ds.parallel.replicas import check_replicas
-from glm53_ds.parallel.router_balance import update_router_bias
 from tests.model_fixtures import CONFIG_A
 
 
@@ -26,13 +27,17 @@ from tests.model_fixtures import CONFIG_A
     ],
 )
 def test_invalid_layouts_are_refused(world, ep, etp, experts, inner, message):
+    cfg = None
+    if experts is not None:
+        fields = dict(n_routed_experts=experts) | ({"moe_intermediate_size": inner} if inner else {})
+        cfg = Glm53Config.from_text_dict({**CONFIG_A, **fields})
     with pytest.raises(ValueError, match=message):
-        validate_layout(world, ep, etp, experts, inner)
+        validate_layout(world, ep, etp, cfg)
 
 
 def test_single_rank_layout_and_mpu():
     glm53_ds.build_model(Glm53Config.from_text_dict(CONFIG_A))  # a world-1 process group
-    layout = initialize(1, 1)
+    layout = init_layout(1, 1)
     mpu = DeepSpeedMpu(layout)
     assert (layout.ep, layout.etp, layout.world_size) == (1, 1, 1)
     assert mpu.get_model_parallel_world_size() == 1 and mpu.get_data_parallel_world_size() == 1
@@ -82,7 +87,8 @@ def test_sequence_aux_loss_matches_independent_formula():
         if hasattr(layer.mlp, "router"):
             layer.mlp.router.register_forward_hook(lambda _m, _i, out: captured.append(out))
     ids = torch.randint(1, cfg.vocab_size, (3, 10), generator=torch.Generator().manual_seed(2))
-    loss = model(ids, labels=ids)
+    parts = model(ids, labels=ids, return_parts=True)
+    loss = parts.total
     e, k, s, b = cfg.n_routed_experts, cfg.num_experts_per_tok, 10, 3
     expected = 0.0
     for scores, _, expert_ids in captured:  # tokens in [s, b] order
@@ -91,12 +97,11 @@ def test_sequence_aux_loss_matches_independent_formula():
             p = (scores[:, j] / scores[:, j].sum(-1, keepdim=True)).mean(0)
             f = torch.bincount(expert_ids[:, j].flatten(), minlength=e).float() * e / (k * s)
             expected += 0.01 * (f * p).sum().item() / b
-    assert model.last_losses["aux_loss"] == pytest.approx(expected, rel=1e-5)
-    assert loss.item() == pytest.approx(model.last_losses["lm_loss"] + expected, rel=1e-5)
+    assert parts.aux.item() == pytest.approx(expected, rel=1e-5)
+    assert loss.item() == pytest.approx(parts.lm.item() + expected, rel=1e-5)
     loss.backward()
     router = model.decoder.layers[2].mlp.router.weight
     assert router.grad is not None and router.grad.abs().sum() > 0
     model.eval()
     with torch.no_grad():
-        model(ids, labels=ids)
-    assert "aux_loss" not in model.last_losses  # training only
+        assert model(ids, labels=ids, return_parts=True).aux is None  # training only

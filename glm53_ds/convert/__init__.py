@@ -4,24 +4,8 @@
 CLI: `python -m glm53_ds.convert {hf-to-native,native-to-hf,verify}` (console script `glm53-convert`).
 """
 
-from __future__ import annotations
+from .export_hf import load_native, native_to_hf
+from .import_hf import hf_to_native
+from .verify import verify
 
-from typing import Any
-
-
-def hf_to_native(*args: Any, **kwargs: Any) -> str:
-    from .import_hf import hf_to_native as run
-
-    return run(*args, **kwargs)
-
-
-def native_to_hf(*args: Any, **kwargs: Any) -> str:
-    from .export_hf import native_to_hf as run
-
-    return run(*args, **kwargs)
-
-
-def verify(*args: Any, **kwargs: Any) -> float:
-    from .verify import verify as run
-
-    return run(*args, **kwargs)
+__all__ = ["hf_to_native", "load_native", "native_to_hf", "verify"]

@@ -7,6 +7,10 @@ import sys
 
 import torch
 
+from .export_hf import native_to_hf
+from .import_hf import hf_to_native
+from .verify import verify
+
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -33,17 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "hf-to-native":
-            from .import_hf import hf_to_native
-
             hf_to_native(args.hf_dir, args.out, ep=args.ep, etp=args.etp, dtype=DTYPES.get(args.dtype or ""),
                          force=args.force, progress=True)  # fmt: skip
         elif args.command == "native-to-hf":
-            from .export_hf import native_to_hf
-
             native_to_hf(args.ckpt, args.out, hf_template=args.hf_template, force=args.force, progress=True)
         else:
-            from .verify import verify
-
             return 0 if verify(args.hf_dir, args.ckpt) == 0.0 else 1
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from collections.abc import Iterator
 from typing import Any
@@ -19,12 +18,14 @@ from typing import Any
 import torch
 
 from ..config import Glm53Config
+from ..model import Glm53Model, build_model
+from ..parallel.expert_shard import DOWN, ExpertShard, expert_tensor_kind
+from .import_hf import HFSource
 from .names import Placement, released_layout
 from .native_format import DEFAULT_SHARD_BYTES, ShardReader, ShardWriter, expert_set_name, read_layout
 
 SMALL_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32,
                     projection_intermediate_size=32)  # fmt: skip
-_EXPERT_NATIVE = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
 def native_root(ckpt: str) -> str:
@@ -45,6 +46,7 @@ class NativeCheckpoint:
         self.meta = read_layout(self.root)
         self.cfg = Glm53Config.from_text_dict(self.meta["config"])
         self.ep, self.etp = self.meta["ep"], self.meta["etp"]
+        self.shard = ExpertShard.for_config(self.cfg, ep=self.ep, etp=self.etp)  # the layout's rule
         self.replicated = ShardReader(self.root, "replicated")
         self.experts = {
             (e, t): ShardReader(self.root, expert_set_name(e, t))
@@ -55,18 +57,19 @@ class NativeCheckpoint:
 
     def read(self, p: Placement) -> torch.Tensor:
         """The part of the full native tensor `p` points at, assembled from the shards."""
-        if not _EXPERT_NATIVE.search(p.native):
+        kind = expert_tensor_kind(p.native)
+        if kind is None:
             return self.replicated.get_slice(p.native, p.index) if p.index else self.replicated.get(p.native)
-        local = self.cfg.n_routed_experts // self.ep
-        inner = self.cfg.moe_intermediate_size // self.etp
         expert = p.index[0]
         assert isinstance(expert, int)
-        ep_rank, e = divmod(expert, local)
-        shards = [self.experts[(ep_rank, t)] for t in range(self.etp)]
-        if p.native.endswith("down_proj"):  # [E_l, D, I_l] -> [D, I]
+        owner = self.shard.owner(expert)
+        e = self.shard.local_index(expert)
+        shards = [self.experts[(owner, t)] for t in range(self.etp)]
+        if kind == DOWN:  # [E_l, D, I_l] -> [D, I]
             return torch.cat([s.get_slice(p.native, (slice(e, e + 1),))[0] for s in shards], dim=1)
         rows = p.index[1]
         assert isinstance(rows, slice)
+        inner = self.shard.local_intermediate
         half = 0 if rows.start == 0 else inner  # gate rows, then up rows, in each shard
         return torch.cat(
             [s.get_slice(p.native, (slice(e, e + 1), slice(half, half + inner)))[0] for s in shards]
@@ -74,25 +77,11 @@ class NativeCheckpoint:
 
     def full_tensor(self, native: str) -> torch.Tensor:
         """A whole native tensor as a single-process (EP = ETP = 1) model holds it."""
-        if not _EXPERT_NATIVE.search(native):
+        kind = expert_tensor_kind(native)
+        if kind is None:
             return self.replicated.get(native)
-        per_ep = []
-        for e in range(self.ep):
-            parts = [self.experts[(e, t)].get(native) for t in range(self.etp)]
-            if native.endswith("gate_up_proj"):
-                half = parts[0].shape[1] // 2
-                per_ep.append(
-                    torch.cat(
-                        [
-                            torch.cat([p[:, :half] for p in parts], 1),
-                            torch.cat([p[:, half:] for p in parts], 1),
-                        ],
-                        1,
-                    )
-                )
-            else:
-                per_ep.append(torch.cat(parts, dim=2))
-        return torch.cat(per_ep)
+        parts = [[self.experts[(e, t)].get(native) for t in range(self.etp)] for e in range(self.ep)]
+        return self.shard.unshard(kind, parts)
 
     def released(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, placements in released_layout(self.cfg, mtp=self.mtp).items():
@@ -140,8 +129,6 @@ def native_to_hf(
         if bar is not None:
             bar.update(1)
     if hf_template:
-        from .import_hf import HFSource
-
         source = HFSource(hf_template)
         for name in source.weight_map:
             if name.startswith(("model.visual.", "visual.")):
@@ -154,30 +141,8 @@ def native_to_hf(
     return out
 
 
-def export_engine_to_hf(
-    engine: Any, layout: Any, cfg: Glm53Config, out_dir: str, template: str | None = None
-) -> None:
-    """From a running job: write a checkpoint next to the output, then rank 0 converts it."""
-    import torch.distributed as dist
-
-    from ..parallel.checkpoint import save_checkpoint
-
-    work = f"{out_dir.rstrip('/')}.native"
-    tag_dir = save_checkpoint(engine, layout, work, "export")
-    if dist.get_rank() == 0:
-        if template:
-            shutil.copyfile(
-                os.path.join(template, "config.json"), os.path.join(tag_dir, "glm53", "hf_config.json")
-            )
-        native_to_hf(tag_dir, out_dir, hf_template=template, force=True)
-        shutil.rmtree(work, ignore_errors=True)
-    dist.barrier()
-
-
-def load_native(ckpt: str, dtype: torch.dtype = torch.float32) -> Any:
+def load_native(ckpt: str, dtype: torch.dtype = torch.float32) -> Glm53Model:
     """A native checkpoint (any EP x ETP layout) as a single-process Glm53Model."""
-    from ..model import build_model
-
     native = NativeCheckpoint(ckpt)
     model = build_model(native.cfg, dtype=dtype, mtp=native.mtp)
     state = model.state_dict()

@@ -12,13 +12,14 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 import shutil
 from collections.abc import Callable, Iterator
 
 import torch
 
 from ..config import Glm53Config
+from ..model import build_model
+from ..parallel.expert_shard import GATE_UP, ExpertShard, expert_tensor_kind
 from .fp8 import dequantize_fp8, is_fp8_scale_name
 from .names import (
     Placement,
@@ -32,7 +33,6 @@ from .native_format import DEFAULT_SHARD_BYTES, ShardWriter, expert_set_name, wr
 from .safetensors_file import SafetensorsSet
 
 NATIVE_TAG = "hf"
-_EXPERT_NATIVE = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
 class ConversionError(ValueError):
@@ -132,8 +132,6 @@ class HFSource:
 
 @functools.lru_cache(maxsize=4)
 def _shapes_cached(config_json: str, mtp: bool) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    from ..model import build_model
-
     cfg = Glm53Config.from_text_dict(json.loads(config_json))
     with torch.device("meta"):
         model = build_model(cfg, mtp=mtp)
@@ -169,14 +167,13 @@ def hf_to_native(
 ) -> str:  # fmt: skip
     """Write the native layout for EP x ETP; returns `out`."""
     cfg = Glm53Config.from_hf(hf_dir)
-    if cfg.n_routed_experts % ep:
-        raise ConversionError(
-            f"--ep {ep}: n_routed_experts ({cfg.n_routed_experts}) is not divisible by EP={ep}"
+    try:
+        layout_shard = ExpertShard.for_config(cfg, ep=ep, etp=etp)
+    except ValueError as error:  # name the option at fault
+        option = (
+            f"--ep {ep}" if not isinstance(ep, int) or ep < 1 or cfg.n_routed_experts % ep else f"--etp {etp}"
         )
-    if cfg.moe_intermediate_size % etp:
-        raise ConversionError(
-            f"--etp {etp}: moe_intermediate_size ({cfg.moe_intermediate_size}) is not divisible by ETP={etp}"
-        )
+        raise ConversionError(f"{option}: {error}") from error
     if os.path.exists(out) and not force:
         raise FileExistsError(f"{out!r} exists; refusing to overwrite (use --force)")
     source = HFSource(hf_dir, fp8_dtype=dtype or torch.bfloat16)
@@ -216,7 +213,7 @@ def hf_to_native(
             by_native.setdefault(p.native, []).append((released, p))
     writer = ShardWriter(root, "replicated", shard_bytes)
     for native, pieces in by_native.items():
-        if _EXPERT_NATIVE.search(native):
+        if expert_tensor_kind(native):
             continue
         if len(pieces) == 1 and not pieces[0][1].index:
             tensor = source.read_released(pieces[0][0], available[pieces[0][0]], cfg)
@@ -227,8 +224,7 @@ def hf_to_native(
     writer.close()
 
     # expert shards
-    local, inner = cfg.n_routed_experts // ep, cfg.moe_intermediate_size // etp
-    expert_natives = [n for n in by_native if _EXPERT_NATIVE.search(n)]
+    expert_natives = [n for n in by_native if expert_tensor_kind(n)]
     # native expert tensor -> expert -> {"gate_proj" | "up_proj" | "down_proj": released name}
     expert_sources: dict[str, dict[int, dict[str, str]]] = {}
     for native in expert_natives:
@@ -238,34 +234,38 @@ def hf_to_native(
             expert_sources.setdefault(native, {}).setdefault(expert, {})[released.rsplit(".", 2)[1]] = (
                 released
             )
-    for ep_rank in range(ep):
-        for etp_rank in range(etp):
-            writer = ShardWriter(root, expert_set_name(ep_rank, etp_rank), shard_bytes)
-            rows = slice(etp_rank * inner, (etp_rank + 1) * inner)
-            for native in expert_natives:
-                stacked: torch.Tensor | None = None  # this shard's stacked experts, filled in place
-                for i, e in enumerate(range(ep_rank * local, (ep_rank + 1) * local)):
-                    names = expert_sources[native][e]  # "gate_proj"/"up_proj" or "down_proj" -> released name
-                    if native.endswith("gate_up_proj"):
-                        gate = source.read_released(names["gate_proj"], available[names["gate_proj"]], cfg)
-                        up = source.read_released(names["up_proj"], available[names["up_proj"]], cfg)
+
+    def read(released: str) -> torch.Tensor:
+        return source.read_released(released, available[released], cfg)
+
+    for shard in layout_shard.all_shards():
+        writer = ShardWriter(root, expert_set_name(shard.ep_rank, shard.etp_rank), shard_bytes)
+        for native in expert_natives:
+            gate_up = expert_tensor_kind(native) == GATE_UP
+            stacked: torch.Tensor | None = None  # this shard's stacked experts, filled in place
+            for i, e in enumerate(shard.local_experts):
+                names = expert_sources[native][e]  # "gate_proj"/"up_proj" or "down_proj" -> released name
+                if gate_up:
+                    for kind in ("gate_proj", "up_proj"):
+                        piece = shard.slice_gate(read(names[kind]))
                         if stacked is None:
-                            stacked = gate.new_empty((local, 2 * inner, gate.shape[1]))
-                        stacked[i, :inner] = gate[rows]
-                        stacked[i, inner:] = up[rows]
-                        del gate, up
-                    else:
-                        down = source.read_released(names["down_proj"], available[names["down_proj"]], cfg)
-                        if stacked is None:
-                            stacked = down.new_empty((local, down.shape[0], inner))
-                        stacked[i] = down[:, rows]
-                        del down
-                assert stacked is not None
-                writer.add(native, convert(stacked))
-                del stacked
-                if etp_rank == 0:
-                    bar(local * (2 if native.endswith("gate_up_proj") else 1))
-            writer.close()
+                            stacked = piece.new_empty(
+                                (shard.num_local, 2 * shard.local_intermediate, piece.shape[1])
+                            )
+                        stacked[i, shard.gate_up_rows(kind)] = piece
+                        del piece
+                else:
+                    piece = shard.slice_down(read(names["down_proj"]))
+                    if stacked is None:
+                        stacked = piece.new_empty((shard.num_local, piece.shape[0], shard.local_intermediate))
+                    stacked[i] = piece
+                    del piece
+            assert stacked is not None
+            writer.add(native, convert(stacked))
+            del stacked
+            if shard.etp_rank == 0:
+                bar(shard.num_local * (2 if gate_up else 1))
+        writer.close()
 
     write_layout(root, dict(ep=ep, etp=etp, world_size=None, model_only=True, config=cfg.to_text_dict()))
     shutil.copyfile(os.path.join(hf_dir, "config.json"), os.path.join(root, "hf_config.json"))

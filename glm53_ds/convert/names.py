@@ -146,6 +146,15 @@ def is_mtp_name(name: str, cfg: Glm53Config) -> bool:
 
 
 # Duplicates some DeepSeek-style checkpoints store inside the MTP layer; glm53_ds shares the main ones.
+_RELEASED_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def released_expert(name: str) -> tuple[int, str] | None:
+    """(expert index, 'gate_proj' | 'up_proj' | 'down_proj') of a released per-expert tensor name, else None."""
+    m = _RELEASED_EXPERT.search(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
 _MTP_SHARED_DUPLICATES = re.compile(r"layers\.(\d+)\.(embed_tokens\.weight|shared_head\.head\.weight)$")
 
 

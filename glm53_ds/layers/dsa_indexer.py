@@ -30,7 +30,6 @@ class DsaIndexer(nn.Module):
     def __init__(self, config: Glm53TransformerConfig) -> None:
         super().__init__()
         cfg = config.glm
-        assert cfg is not None
         self.n_heads = cfg.index_n_heads
         self.head_dim = cfg.index_head_dim
         self.index_topk = cfg.index_topk

@@ -29,7 +29,6 @@ class ForgetGate(nn.Module):
     def __init__(self, config: Glm53TransformerConfig) -> None:
         super().__init__()
         cfg = config.glm
-        assert cfg is not None
         self.head_dim = cfg.linear_head_dim
         self.num_heads = cfg.linear_num_heads
         key_dim = self.head_dim * self.num_heads
@@ -68,13 +67,13 @@ class KimiDeltaAttention(nn.Module):
     ) -> None:
         super().__init__()
         cfg = config.glm
-        assert cfg is not None, "KimiDeltaAttention needs a Glm53TransformerConfig with .glm set"
         self.layer_number = layer_number
         self.num_heads = cfg.linear_num_heads
         self.head_dim = cfg.linear_head_dim
         key_dim = self.num_heads * self.head_dim
         hidden = cfg.hidden_size
         self.kernel_size = cfg.linear_conv_kernel_dim
+        self.kda_impl = config.kda_impl
 
         self.q_proj = ColumnLinear(config, hidden, key_dim)
         self.k_proj = ColumnLinear(config, hidden, key_dim)
@@ -117,7 +116,7 @@ class KimiDeltaAttention(nn.Module):
         g = self.forget_gate(x)  # [b, s, H, dk] fp32
         beta = torch.sigmoid(self.b_proj(x))  # [b, s, H]
 
-        core = kda_attention(q, k, v, g, beta)  # [b, s, H, dv]
+        core = kda_attention(q, k, v, g, beta, backend=self.kda_impl)  # [b, s, H, dv]
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(heads)
         out = self.o_proj(self.o_norm(core, gate).reshape(b, s, -1))
         return out.transpose(0, 1), None

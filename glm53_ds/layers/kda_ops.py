@@ -7,17 +7,16 @@ The chunked form (chunk length C) solves each chunk's intra-chunk dependencies w
 system (the WY representation) and carries S across chunks. Everything runs in fp32 (the state is sensitive to
 rounding); the output is cast back to the input dtype.
 
-`kda_attention` uses fla-core's Triton kernel on CUDA when `fla` is installed (`GLM53_KDA=fla|torch|auto`
-forces a path); the torch path here is the reference it is checked against.
+`kda_attention` uses fla-core's Triton kernel on CUDA when `fla` is installed (the config's `kda_impl`:
+`fla|torch|auto`, see `glm53_ds/backends.py`); the torch path here is the reference it is checked against.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-KDA_ENV = "GLM53_KDA"
+from .. import backends
+
 CHUNK_SIZE = 64
 
 
@@ -89,32 +88,17 @@ def chunk_kda_torch(
     return o.transpose(1, 2).contiguous().to(out_dtype)
 
 
-def _fla_available() -> bool:
-    try:
-        from fla.ops.kda import chunk_kda  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def resolve_kda_backend(x: torch.Tensor) -> str:
-    forced = os.environ.get(KDA_ENV, "auto").strip().lower() or "auto"
-    if forced == "auto":
-        return "fla" if x.is_cuda and _fla_available() else "torch"
-    if forced not in ("fla", "torch"):
-        raise ValueError(f"{KDA_ENV}={forced!r}: expected 'fla', 'torch' or 'auto'")
-    if forced == "fla" and not (x.is_cuda and _fla_available()):
-        raise RuntimeError(
-            f"{KDA_ENV}=fla needs CUDA tensors and the fla-core package (pip install flash-linear-attention)"
-        )
-    return forced
-
-
 def kda_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    backend: str = "auto",
 ) -> torch.Tensor:
-    """Dispatch: fla-core's chunked KDA kernel on CUDA when installed, else the torch reference."""
-    if resolve_kda_backend(q) == "fla":
+    """`backend` (the config's `kda_impl`): fla-core's chunked KDA kernel, the torch reference, or `auto` (fla on
+    CUDA when installed)."""
+    if backends.resolve(backends.KDA, backend, q.device) == "fla":
         from fla.ops.kda import chunk_kda
 
         out, _ = chunk_kda(q=q, k=k, v=v, g=g.float(), beta=beta, use_qk_l2norm_in_kernel=True)

@@ -6,7 +6,7 @@ to the token set its DSA indexer chose (or, for an `indexer_types == "shared"` l
 layer chose, passed in through the transformer block's `context`). Attention is exact masked softmax attention
 as HF's eager path; a query whose set is empty (padding rows) averages all values as HF does.
 
-`GLM53_ATTENTION` picks how it is computed: `sdpa` (default) through torch's fused kernels, which never hold the
+The config's `attention_impl` (`glm53_ds/backends.py`) picks how it is computed: `sdpa` (default) through torch's fused kernels, which never hold the
 [b, H, s, s] scores; `eager` as HF's expression, scores rounded to the activation dtype before the fp32 softmax.
 The two agree to ~1e-7 in fp32. In bf16 they differ by that rounding: eager matches HF bf16 (logits cosine 0.99998
 on the test config A), sdpa is nearer the fp32 result (cosine to HF fp32 0.988 on config A, where HF's own bf16
@@ -15,13 +15,13 @@ gets 0.985), and the chaotic tiny test models amplify the difference (0.993 betw
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import backends
 from ..transformer_config import Glm53TransformerConfig
 from .dsa_indexer import DsaIndexer
 from .linear import ColumnLinear, RowLinear
@@ -38,16 +38,6 @@ def topk_to_mask(topk_tokens: torch.Tensor, kv_length: int) -> torch.Tensor:
     return allowed[..., :kv_length].unsqueeze(1)
 
 
-ATTENTION_ENV = "GLM53_ATTENTION"
-
-
-def attention_backend() -> str:
-    backend = os.environ.get(ATTENTION_ENV, "sdpa").strip().lower() or "sdpa"
-    if backend not in ("sdpa", "eager"):
-        raise ValueError(f"{ATTENTION_ENV}={backend!r}: expected 'sdpa' or 'eager'")
-    return backend
-
-
 def masked_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -55,9 +45,10 @@ def masked_attention(
     allowed: torch.Tensor,
     scaling: float,
     dropout: float = 0.0,
+    backend: str = "sdpa",
 ) -> torch.Tensor:
     """HF's eager attention, softmax(q k^T * scaling + mask) v with the mask finfo.min where not allowed.
-    q, k [b, H, s, dq], v [b, H, s, dv], allowed bool [b, 1, s, s] -> [b, s, H, dv]. Backend: `GLM53_ATTENTION`.
+    q, k [b, H, s, dq], v [b, H, s, dv], allowed bool [b, 1, s, s] -> [b, s, H, dv]. `backend`: sdpa | eager.
 
     SDPA's fused kernels (flash on CPU, memory-efficient on CUDA) never hold the [b, H, s, s] scores and
     probabilities that eager attention keeps for backward: 82 MiB instead of 1.6 GiB for a fwd+bwd at 4096 tokens
@@ -67,7 +58,7 @@ def masked_attention(
     rows, so SDPA sees them unmasked and their outputs are recomputed as softmax(x - x.detach()) v, which has
     exactly that value and gradient; the cost is proportional to the number of such rows.
     """
-    if attention_backend() == "eager":  # HF's expression, rounding included
+    if backends.check(backends.ATTENTION, backend) == "eager":  # HF's expression, rounding included
         bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(
             ~allowed, torch.finfo(q.dtype).min
         )
@@ -107,7 +98,6 @@ class SparseMLA(nn.Module):
     ) -> None:
         super().__init__()
         cfg = config.glm
-        assert cfg is not None, "SparseMLA needs a Glm53TransformerConfig with .glm set"
         self.layer_index = layer_number - 1 if layer_index is None else layer_index
         self.num_heads = cfg.num_attention_heads
         self.qk_head_dim = cfg.qk_nope_head_dim
@@ -115,6 +105,7 @@ class SparseMLA(nn.Module):
         self.kv_lora_rank = cfg.kv_lora_rank
         self.scaling = self.qk_head_dim**-0.5
         self.attention_dropout = cfg.attention_dropout
+        self.attention_impl = config.attention_impl
         hidden = cfg.hidden_size
 
         self.q_a_proj = ColumnLinear(config, hidden, cfg.q_lora_rank)
@@ -175,7 +166,9 @@ class SparseMLA(nn.Module):
             topk = shared_topk
 
         dropout = self.attention_dropout if self.training else 0.0
-        out = masked_attention(q, k, v, topk_to_mask(topk, s), self.scaling, dropout)  # [b, s, H, dv]
+        out = masked_attention(
+            q, k, v, topk_to_mask(topk, s), self.scaling, dropout, backend=self.attention_impl
+        )  # [b, s, H, dv]
         out = out.reshape(b, s, self.num_heads * self.v_head_dim)
         out = self.o_proj(out)
         return out.transpose(0, 1), (topk if self.passes_selection else None)

@@ -13,6 +13,7 @@ of the loss. The exact equations and loss are in docs/mtp.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -30,18 +31,26 @@ class Glm53MtpSubmodules:
 
 class Glm53MtpLayer(nn.Module):
     def __init__(
-        self, config: Glm53TransformerConfig, submodules: Glm53MtpSubmodules, depth: int = 1
+        self,
+        config: Glm53TransformerConfig,
+        submodules: Glm53MtpSubmodules,
+        depth: int = 1,
+        pg_collection: Any = None,
     ) -> None:
         super().__init__()
         cfg = config.glm
-        assert cfg is not None and submodules.transformer_layer is not None
+        if submodules.transformer_layer is None:
+            raise ValueError("Glm53MtpLayer needs submodules.transformer_layer")
         self.depth = depth
         d = cfg.hidden_size
         self.enorm = RMSNorm(config, d, eps=cfg.rms_norm_eps)
         self.hnorm = RMSNorm(config, d, eps=cfg.rms_norm_eps)
         self.eh_proj = ColumnLinear(config, 2 * d, d)
         self.transformer_layer = build_module(
-            submodules.transformer_layer, config=config, layer_number=cfg.num_hidden_layers + depth
+            submodules.transformer_layer,
+            config=config,
+            layer_number=cfg.num_hidden_layers + depth,
+            pg_collection=pg_collection,
         )
         self.final_layernorm = RMSNorm(config, d, eps=cfg.rms_norm_eps)  # released name: shared_head.norm
 

@@ -4,7 +4,7 @@
 `hc_head` (final mean over streams), `expand_streams`, `sinkhorn`.
 """
 
-from .hc_post_op import hc_post, hc_post_eager, hc_post_hf_expression, resolve_backend
+from .hc_post_op import hc_post, hc_post_eager, hc_post_hf_expression
 from .hyper_connection import HyperConnection, expand_streams, hc_head, sinkhorn
 
 __all__ = [
@@ -14,6 +14,5 @@ __all__ = [
     "hc_post",
     "hc_post_eager",
     "hc_post_hf_expression",
-    "resolve_backend",
     "sinkhorn",
 ]

@@ -9,13 +9,12 @@ Rounding follows HF's expression `post.to(dtype) * x + comb.to(dtype).T @ residu
 `post` and `comb` are rounded to the activation dtype first; the two terms are each accumulated in fp32 and
 rounded to the activation dtype, then added (one more rounding). In fp32 every rounding is a no-op.
 
-Backends, chosen per call:
+Backends (`backend=` per call; the model passes its config's `hc_post_impl`, see `glm53_ds/backends.py`):
   - `triton`: fused forward/backward kernels (`hc_post_triton.py`), the default on CUDA. The residual is read
     once per token and no `[..., n, D]` fp32 temporary exists.
   - `eager`: torch ops with fp32 accumulation over bounded chunks of tokens, so nothing larger than the output
     and one chunk's fp32 temporaries is allocated (no `[..., n, n, D]` intermediate). The default elsewhere.
-`GLM53_HC_POST=eager|triton|auto` forces a path; `triton` on CPU tensors needs `TRITON_INTERPRET=1`
-(Triton's interpreter), which is how CI runs the kernels.
+`triton` on CPU tensors needs `TRITON_INTERPRET=1` (Triton's interpreter), which is how CI runs the kernels.
 
 Both backends sit behind one `torch.library.custom_op` (`glm53::hc_post`) with a fake implementation and
 registered autograd, so `torch.compile(fullgraph=True)` treats it as one opaque node on any device.
@@ -23,44 +22,14 @@ registered autograd, so `torch.compile(fullgraph=True)` treats it as one opaque 
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
-BACKEND_ENV = "GLM53_HC_POST"
+from .. import backends
+
 BACKENDS = ("eager", "triton")
 MAX_HC_MULT_TRITON = 8
-
-
-# --------------------------------------------------------------------------- backend selection
-def triton_interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def resolve_backend(x: torch.Tensor) -> str:
-    """The backend `hc_post` uses for a tensor on `x.device`, honouring `GLM53_HC_POST`."""
-    forced = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
-    if forced == "auto":
-        return "triton" if x.is_cuda and _triton_importable() else "eager"
-    if forced not in BACKENDS:
-        raise ValueError(f"{BACKEND_ENV}={forced!r}: expected one of 'eager', 'triton', 'auto'")
-    if forced == "triton":
-        if not _triton_importable():
-            raise RuntimeError(f"{BACKEND_ENV}=triton but the triton package cannot be imported")
-        if not x.is_cuda and not triton_interpreter_enabled():
-            raise RuntimeError(
-                f"{BACKEND_ENV}=triton on a {x.device.type} tensor needs TRITON_INTERPRET=1 (Triton's CPU interpreter)"
-            )
-    return forced
 
 
 # --------------------------------------------------------------------------- input checks
@@ -247,14 +216,13 @@ def hc_post(
 ) -> torch.Tensor:
     """`x [..., D]`, `residual [..., n, D]`, `post [..., n]`, `comb [..., n, n]` -> new streams `[..., n, D]`.
 
-    `backend=None` picks the fused Triton kernels on CUDA and the eager path elsewhere (`GLM53_HC_POST`
-    overrides); pass `"eager"` or `"triton"` to force one.
+    `backend`: "eager", "triton" or "auto" (the fused Triton kernels on CUDA, the eager path elsewhere);
+    None means the configured default (`backends.default("hc_post_impl")`).
     """
     check_hc_post_inputs(x, residual, post, comb)
-    if backend is None:
-        backend = resolve_backend(x)
-    elif backend not in BACKENDS:
-        raise ValueError(f"hc_post: backend={backend!r}, expected one of {BACKENDS}")
+    backend = backends.resolve(
+        backends.HC_POST, backends.default(backends.HC_POST) if backend is None else backend, x.device
+    )
     if backend == "triton" and not 1 <= residual.shape[-2] <= MAX_HC_MULT_TRITON:
         raise ValueError(
             f"hc_post: the Triton kernel supports hc_mult 1..{MAX_HC_MULT_TRITON}, got {residual.shape[-2]}"

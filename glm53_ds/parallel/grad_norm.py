@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from torch import nn
 
-from .grad_sync import is_expert_param
+from .params import is_expert_param
 
 
-def global_grad_norm(model: nn.Module) -> torch.Tensor:
+def global_grad_norm(model: nn.Module, expert_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """`expert_group`: the ranks whose expert shards together make all experts (EP x ETP; the layout's
+    `pg_collection.tp_ep`), or None in a single process."""
     dense = torch.zeros((), dtype=torch.float64)
     expert = torch.zeros((), dtype=torch.float64)
     for p in model.parameters():
@@ -28,19 +29,17 @@ def global_grad_norm(model: nn.Module) -> torch.Tensor:
             expert += sq
         else:
             dense += sq
-    if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
-        group = parallel_state.get_expert_tensor_and_model_parallel_group()
-        if dist.get_world_size(group) > 1:
-            device = next(model.parameters()).device
-            expert = expert.to(device)
-            dist.all_reduce(expert, group=group)
-            expert = expert.cpu()
+    if expert_group is not None and dist.get_world_size(expert_group) > 1:
+        device = next(model.parameters()).device
+        expert = expert.to(device)
+        dist.all_reduce(expert, group=expert_group)
+        expert = expert.cpu()
     return torch.sqrt(dense + expert)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(model: nn.Module, max_norm: float, expert_group: dist.ProcessGroup | None) -> torch.Tensor:
     """Clip every gradient by the global norm (above); returns the norm before clipping."""
-    norm = global_grad_norm(model)
+    norm = global_grad_norm(model, expert_group)
     coef = max_norm / (norm.item() + 1e-6)
     if coef < 1.0:
         for p in model.parameters():

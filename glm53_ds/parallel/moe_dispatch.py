@@ -20,7 +20,7 @@ token gradients are scaled back by ETP (step 2's backward). With ETP = 1 both fa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,22 +34,24 @@ from .comm import (
     gather_rows,
     reduce_rows,
 )
+from .expert_shard import ExpertShard
 
-if TYPE_CHECKING:
-    from ..layers.moe.experts import GroupedExperts
+# One local expert's FFN (or its ETP slice) applied to its rows: (local expert index, x [n, D]) -> [n, D].
+ExpertFFN = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 class ExpertParallelDispatch:
-    def __init__(self, num_experts: int, ep_group: dist.ProcessGroup, etp_group: dist.ProcessGroup) -> None:
-        self.ep_group, self.etp_group = ep_group, etp_group
-        self.ep_size = dist.get_world_size(ep_group)
-        self.etp_size = dist.get_world_size(etp_group)
-        if num_experts % self.ep_size:
-            raise ValueError(f"n_routed_experts ({num_experts}) is not divisible by EP={self.ep_size}")
-        self.num_local = num_experts // self.ep_size
+    def __init__(self, shard: ExpertShard, ep_group: dist.ProcessGroup, etp_group: dist.ProcessGroup) -> None:
+        self.ep_group, self.etp_group, self.shard = ep_group, etp_group, shard
+        self.ep_size, self.etp_size = shard.ep, shard.etp
+        if (dist.get_world_size(ep_group), dist.get_world_size(etp_group)) != (shard.ep, shard.etp):
+            raise ValueError(
+                f"the EP / ETP groups have {dist.get_world_size(ep_group)} / {dist.get_world_size(etp_group)} "
+                f"ranks, the expert shard says EP={shard.ep}, ETP={shard.etp}"
+            )
 
     def __call__(
-        self, experts: GroupedExperts, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+        self, expert_ffn: ExpertFFN, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """x [T, D], expert_ids / weights [T, k] -> sum_k weight * expert(x) [T, D]."""
         k = expert_ids.shape[1]
@@ -57,14 +59,14 @@ class ExpertParallelDispatch:
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs sorted by expert
         token = order // k
         sorted_ids = flat[order]
-        dest = sorted_ids // self.num_local
+        dest = self.shard.owner(sorted_ids)
         send_counts = torch.bincount(dest, minlength=self.ep_size)
         send = send_counts.tolist()
         recv = exchange_counts(send_counts, self.ep_group).tolist()
 
         # 1. rows to the experts' EP ranks
         rows = all_to_all(x[token], send, recv, self.ep_group)  # [R, D]
-        local_ids = (sorted_ids - dest * self.num_local).contiguous()
+        local_ids = self.shard.local_index(sorted_ids).contiguous()
         if self.ep_size > 1:
             local_ids = _all_to_all_rows(local_ids, send, recv, self.ep_group)
         # 2. every ETP slice sees all rows of its ETP group
@@ -73,9 +75,9 @@ class ExpertParallelDispatch:
         all_ids = _gather_padded(local_ids, counts, self.etp_group) if self.etp_size > 1 else local_ids
         # 3. local experts, rows grouped by expert
         perm = torch.argsort(all_ids, stable=True)
-        sizes = torch.bincount(all_ids, minlength=self.num_local).tolist()
+        sizes = torch.bincount(all_ids, minlength=self.shard.num_local).tolist()
         outputs = [
-            experts.expert_ffn(e, chunk)
+            expert_ffn(e, chunk)
             for e, chunk in enumerate(torch.split(all_rows[perm], sizes))
             if chunk.shape[0] > 0
         ]

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .grad_sync import is_expert_param
-from .initialize import ParallelLayout
+from .layout import ParallelLayout
+from .params import is_expert_param
 
 
 class ReplicaMismatch(RuntimeError):

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 BYTE_EOD, BYTE_PAD = 256, 257
 
@@ -78,8 +79,6 @@ def _documents(path: str) -> Iterator[str]:
 
 def build_indexed_dataset(input_path: str, output_prefix: str, tokenizer: ByteTokenizer | HFTokenizer) -> str:
     """Tokenize text/jsonl into `<output_prefix>.bin/.idx` (written to temporary names, then renamed)."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
     dtype = np.uint16 if tokenizer.vocab_size < 65500 else np.int32
     tmp = f"{output_prefix}.tmp{os.getpid()}"
     builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
@@ -119,8 +118,6 @@ class SampleStream:
     """Non-overlapping windows of `seq_length + 1` tokens over the concatenated documents, in seeded order."""
 
     def __init__(self, prefix: str, seq_length: int, seed: int, vocab_size: int) -> None:
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
-
         dataset = IndexedDataset(prefix)
         self.tokens = np.concatenate([np.asarray(dataset[i]) for i in range(len(dataset))]).astype(np.int64)
         self.seq_length, self.seed = seq_length, seed

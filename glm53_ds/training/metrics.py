@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 
@@ -14,13 +15,13 @@ class MetricsWriter:
         self._file = open(self.path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
         self._tb = None
         if tensorboard_dir:
-            try:
+            try:  # optional: the run goes on without it
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                raise RuntimeError(
-                    "--tensorboard-dir needs the tensorboard package (pip install tensorboard)"
-                ) from e
-            self._tb = SummaryWriter(tensorboard_dir)
+            except ImportError:
+                print("notice: --tensorboard-dir ignored: the tensorboard package is not installed "
+                      "(pip install tensorboard)", file=sys.stderr)  # fmt: skip
+            else:
+                self._tb = SummaryWriter(tensorboard_dir)
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
@@ -42,7 +43,15 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 
 
 def plot_loss(metrics_path: str, png_path: str) -> None:
-    import matplotlib
+    """The loss curve as a PNG; skipped with a one-line notice when matplotlib is missing (optional)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(
+            f"notice: {png_path} not written: matplotlib is not installed (pip install matplotlib)",
+            file=sys.stderr,
+        )
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,16 +1,18 @@
-"""The training loop behind `deepspeed launch/train.py`.
+"""`Trainer`: the training loop behind `deepspeed launch/train.py`, driven by a `TrainConfig`.
 
-Set-up validates everything that can be wrong before any training work (data, tokenizer, checkpoint dirs,
-parallel layout, batch sizes vs the DeepSpeed config, token ids vs vocab) and fails with one message. Then:
-process groups (EP x ETP) -> model with local experts (from --hf-dir: each rank reads only its tensors) ->
-DeepSpeed engine + gradient-sync patch -> steps (warmup + cosine LR, router-bias update, metrics) ->
-checkpoints (parallel/checkpoint.py) -> optional HF export and the loss-curve PNG.
+    setup()        everything that can be wrong is checked before the model is built (data, tokenizer,
+                   checkpoint dirs, layout, batch sizes vs the DeepSpeed config, token ids vs vocab); then the
+                   layout's process groups, the model with this rank's experts (from --hf-dir: only its
+                   tensors), `glm53_ds.build_engine`, and --load
+    train_step(s)  one optimizer step over the global batch; one host sync for the NaN check and the logged loss
+    save(s)        replica check + checkpoint (engine/checkpoint.py)
+    finish()       final save, loss curve, --export-hf
+`run()` does all of it; `main()` maps failures to exit codes (2: set-up, 3: training stopped).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -18,96 +20,77 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from ..config import Glm53Config
+from ..engine import build_engine, export_engine_to_hf, init_distributed, load_checkpoint, save_checkpoint
+from ..hf_loader import SafetensorsCheckpoint, checkpoint_has_mtp, load_hf_state_into
+from ..layers.moe import update_router_bias
+from ..model import Glm53Model, LossParts
+from ..parallel.layout import ParallelLayout, init_layout, validate_layout
+from ..parallel.replicas import check_replicas
+from ..transformer_config import make_transformer_config
+from .args import build_parser
+from .config import SetupError, TrainConfig
+from .data import SampleStream, load_tokenizer, resolve_dataset
+from .metrics import MetricsWriter, plot_loss
+from .presets import preset
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEFAULT_DATA = os.path.join(REPO_ROOT, "data", "tiny_corpus.txt")
-
-
-class SetupError(ValueError):
-    """A problem found before training starts; the message names the option and values."""
+__all__ = ["SetupError", "Trainer", "TrainingStopped", "main"]
 
 
 class TrainingStopped(RuntimeError):
     pass
 
 
-# ----------------------------------------------------------------------------- configuration
-def preset_name(args: Any) -> str | None:
-    """The preset the run builds, or None when the model comes from --hf-dir or a config file."""
-    from .presets import PRESETS
-
-    if args.hf_dir or (args.model_config and args.model_config not in PRESETS):
-        return None
-    return args.model_config or "tiny"
-
-
-def router_bias_update_rate(args: Any) -> float:
-    from .presets import DEFAULT_ROUTER_BIAS_UPDATE_RATE, PRESET_ROUTER_BIAS_UPDATE_RATE
-
-    if args.router_bias_update_rate is not None:
-        return float(args.router_bias_update_rate)
-    return PRESET_ROUTER_BIAS_UPDATE_RATE.get(preset_name(args) or "", DEFAULT_ROUTER_BIAS_UPDATE_RATE)
-
-
-def model_config(args: Any) -> Glm53Config:
-    from .presets import PRESETS, preset
-
-    if args.hf_dir:
-        if not os.path.isfile(os.path.join(args.hf_dir, "config.json")):
-            raise SetupError(f"--hf-dir {args.hf_dir!r}: no config.json there")
-        cfg = Glm53Config.from_hf(args.hf_dir)
-    elif args.model_config and args.model_config not in PRESETS:
-        if not os.path.isfile(args.model_config):
-            raise SetupError(
-                f"--model-config {args.model_config!r}: not a file and not a preset {sorted(PRESETS)}"
-            )
-        cfg = Glm53Config.from_hf(args.model_config)
+def model_config(config: TrainConfig) -> Glm53Config:
+    if config.hf_dir:
+        cfg = Glm53Config.from_hf(config.hf_dir)
+    elif config.preset is None and config.model_config:
+        cfg = Glm53Config.from_hf(config.model_config)
     else:
-        cfg = preset(preset_name(args) or "tiny")
-    if args.mtp_loss_weight is not None:
-        cfg = cfg.replace(mtp_loss_weight=args.mtp_loss_weight)
-    if args.no_mtp:
+        cfg = preset(config.preset or "tiny")
+    if config.mtp_loss_weight is not None:
+        cfg = cfg.replace(mtp_loss_weight=config.mtp_loss_weight)
+    if config.no_mtp:
         cfg = cfg.replace(num_nextn_predict_layers=0)
     return cfg
 
 
-def lr_at(step: int, args: Any) -> float:
-    """Linear warmup to --lr over --warmup steps, then cosine decay to --min-lr at --train-iters."""
-    if args.warmup > 0 and step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    span = max(args.train_iters - args.warmup, 1)
-    progress = min(max(step - args.warmup, 0) / span, 1.0)
-    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * progress))
+def gradient_accumulation(config: TrainConfig, world: int) -> int:
+    per_step = config.micro_batch_size * world
+    global_batch = config.global_batch_size or per_step
+    if global_batch % per_step:
+        raise SetupError(
+            f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size {config.micro_batch_size} "
+            f"x world size {world} = {per_step}"
+        )
+    return global_batch // per_step
 
 
-def deepspeed_config(args: Any, world: int, gas: int) -> dict[str, Any]:
+def deepspeed_config(config: TrainConfig, world: int, gas: int) -> dict[str, Any]:
     """DeepSpeed's config: the --deepspeed_config file (checked against the command line) or a default."""
-    ds_dp = world // args.etp  # DeepSpeed's data-parallel size (ETP is its model-parallel group)
+    ds_dp = world // config.etp  # DeepSpeed's data-parallel size (ETP is its model-parallel group)
     wanted = {
-        "train_micro_batch_size_per_gpu": args.micro_batch_size,
+        "train_micro_batch_size_per_gpu": config.micro_batch_size,
         "gradient_accumulation_steps": gas,
-        "train_batch_size": args.micro_batch_size * gas * ds_dp,
-        "gradient_clipping": args.clip_grad,
+        "train_batch_size": config.micro_batch_size * gas * ds_dp,
+        "gradient_clipping": config.clip_grad,
     }
-    path = getattr(args, "deepspeed_config", None)
-    if path:
-        if not os.path.isfile(path):
-            raise SetupError(f"--deepspeed_config {path!r}: no such file")
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
+    if config.deepspeed_config:
+        with open(config.deepspeed_config, encoding="utf-8") as f:
+            ds = json.load(f)
         for key, value in wanted.items():
-            if key in config and config[key] != "auto" and config[key] != value:
+            if key in ds and ds[key] != "auto" and ds[key] != value:
                 raise SetupError(
-                    f"--deepspeed_config {path}: {key}={config[key]} contradicts the command line, which gives "
-                    f"{key}={value} (--micro-batch-size {args.micro_batch_size}, --global-batch-size "
-                    f"{args.global_batch_size or args.micro_batch_size * world}, world size {world}, ETP {args.etp}, "
-                    f"--clip-grad {args.clip_grad})"
+                    f"--deepspeed_config {config.deepspeed_config}: {key}={ds[key]} contradicts the command line, "
+                    f"which gives {key}={value} (--micro-batch-size {config.micro_batch_size}, --global-batch-size "
+                    f"{config.global_batch_size or config.micro_batch_size * world}, world size {world}, "
+                    f"ETP {config.etp}, --clip-grad {config.clip_grad})"
                 )
     else:
         on_gpu = torch.cuda.is_available()
-        config = {
+        ds = {
             "zero_optimization": {
                 "stage": 2 if on_gpu else 0,
                 "contiguous_gradients": True,
@@ -115,94 +98,11 @@ def deepspeed_config(args: Any, world: int, gas: int) -> dict[str, Any]:
             },
             "bf16": {"enabled": on_gpu},
         }
-    config.update(wanted)
-    config.setdefault("steps_per_print", 10**9)
-    config.setdefault("zero_allow_untested_optimizer", True)
-    config.pop("optimizer", None)  # the trainer builds AdamW itself
-    return config
-
-
-def _batch_layout(args: Any, world: int) -> int:
-    per_step = args.micro_batch_size * world
-    global_batch = args.global_batch_size or per_step
-    if args.micro_batch_size < 1:
-        raise SetupError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
-    if global_batch % per_step:
-        raise SetupError(
-            f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size {args.micro_batch_size} "
-            f"x world size {world} = {per_step}"
-        )
-    return global_batch // per_step
-
-
-def _init_distributed() -> None:
-    import deepspeed
-
-    from ..parallel.initialize import default_backend
-
-    if not dist.is_initialized():
-        for key, value in (
-            ("RANK", "0"),
-            ("WORLD_SIZE", "1"),
-            ("LOCAL_RANK", "0"),
-            ("MASTER_ADDR", "127.0.0.1"),
-        ):
-            os.environ.setdefault(key, value)
-        if "MASTER_PORT" not in os.environ:
-            from ..parallel.initialize import free_port
-
-            os.environ["MASTER_PORT"] = str(free_port())
-        deepspeed.init_distributed(dist_backend=default_backend(), verbose=False)
-        if not torch.cuda.is_available():
-            from ..compat.deepspeed_shm import register_cleanup
-
-            register_cleanup()
-
-
-# ----------------------------------------------------------------------------- set-up
-def setup(args: Any) -> dict[str, Any]:
-    from ..parallel.initialize import validate_layout
-    from .data import SampleStream, load_tokenizer, resolve_dataset
-
-    cfg = model_config(args)
-    data = args.data or DEFAULT_DATA
-    tokenizer_spec = args.tokenizer or (args.hf_dir if args.hf_dir else "bytes")
-    if args.load:
-        tag_ok = args.load_tag and os.path.isdir(os.path.join(args.load, args.load_tag))
-        if not tag_ok and not os.path.isfile(os.path.join(args.load, "latest")):
-            what = f"tag {args.load_tag!r}" if args.load_tag else "the file 'latest'"
-            raise SetupError(f"--load {args.load!r}: no checkpoint there ({what} is missing)")
-    try:
-        tokenizer = load_tokenizer(tokenizer_spec)
-    except (OSError, ValueError) as e:
-        raise SetupError(f"--tokenizer {tokenizer_spec!r}: {e}") from e
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise SetupError(
-            f"--tokenizer {tokenizer_spec!r} has {tokenizer.vocab_size} tokens, more than the model's vocab_size {cfg.vocab_size}"
-        )
-
-    _init_distributed()
-    world, rank = dist.get_world_size(), dist.get_rank()
-    try:
-        validate_layout(world, args.ep, args.etp, cfg.n_routed_experts, cfg.moe_intermediate_size)
-    except ValueError as e:
-        raise SetupError(f"--ep {args.ep} --etp {args.etp}: {e}") from e
-    gas = _batch_layout(args, world)
-    ds_config = deepspeed_config(args, world, gas)
-    output_dir = args.output_dir or os.path.join(
-        "runs", args.model_config or ("hf" if args.hf_dir else "tiny")
-    )
-    cache_dir = os.path.join(output_dir, "data_cache")
-    # Rank 0 tokenizes (text/jsonl) once; the others wait, then every rank reads the same indexed dataset.
-    if rank == 0:
-        prefix = _or_setup_error(lambda: resolve_dataset(data, tokenizer, tokenizer_spec, cache_dir))
-    dist.barrier()
-    if rank != 0:
-        prefix = _or_setup_error(lambda: resolve_dataset(data, tokenizer, tokenizer_spec, cache_dir))
-    stream = _or_setup_error(lambda: SampleStream(prefix, args.seq_length, args.seed, cfg.vocab_size))
-    return dict(
-        cfg=cfg, world=world, rank=rank, gas=gas, ds_config=ds_config, stream=stream, output_dir=output_dir
-    )
+    ds.update(wanted)
+    ds.setdefault("steps_per_print", 10**9)
+    ds.setdefault("zero_allow_untested_optimizer", True)
+    ds.pop("optimizer", None)  # the trainer builds AdamW itself, from --lr / --weight-decay
+    return ds
 
 
 def _or_setup_error(fn: Any) -> Any:
@@ -212,165 +112,197 @@ def _or_setup_error(fn: Any) -> Any:
         raise SetupError(str(e)) from e
 
 
-def build_engine(args: Any, env: dict[str, Any]) -> tuple[Any, Any]:
-    import deepspeed
-
-    from ..hf_loader import ExpertShard, SafetensorsCheckpoint, checkpoint_has_mtp, load_hf_state_into
-    from ..model import Glm53Model
-    from ..parallel import fp32_masters
-    from ..parallel.deepspeed_setup import optimizer_param_groups, prepare_model_for_deepspeed
-    from ..parallel.grad_sync import install_gradient_sync
-    from ..parallel.initialize import DeepSpeedMpu, initialize
-    from ..transformer_config import make_transformer_config
-
-    cfg: Glm53Config = env["cfg"]
-    layout = initialize(args.ep, args.etp, cfg.n_routed_experts, cfg.moe_intermediate_size)
-    dtype = torch.bfloat16 if env["ds_config"].get("bf16", {}).get("enabled") else torch.float32
-    recompute: dict[str, Any] = {}
-    if args.recompute == "selective":
-        recompute = dict(recompute_granularity="selective", recompute_modules=["mhc", "mlp", "moe"])
-    elif args.recompute == "full":
-        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    tconfig = make_transformer_config(
-        cfg, dtype=dtype, expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp,
-        moe_seq_aux_loss_coef=args.aux_loss_coef, **recompute,
-    )  # fmt: skip
-    torch.manual_seed(args.seed)
-    use_mtp = cfg.num_nextn_predict_layers > 0
-    if args.hf_dir:
-        checkpoint = SafetensorsCheckpoint(args.hf_dir)
-        use_mtp = use_mtp and checkpoint_has_mtp(checkpoint.keys(), cfg)
-        model = Glm53Model(tconfig, mtp=use_mtp)
-        shard = ExpertShard(args.ep, layout.ep_rank, args.etp, layout.etp_rank)
-        load_hf_state_into(model, checkpoint, mtp=use_mtp, shard=shard)
-    else:
-        model = Glm53Model(tconfig, mtp=use_mtp)
-    prepare_model_for_deepspeed(model, layout)
-    optimizer = torch.optim.AdamW(
-        optimizer_param_groups(model, weight_decay=args.weight_decay), lr=args.lr, betas=(0.9, 0.95), eps=1e-8
-    )
-    full_precision = fp32_masters.capture(model)  # DeepSpeed's bf16 cast rounds them; its masters need not be
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=env["ds_config"], mpu=DeepSpeedMpu(layout)
-    )
-    fp32_masters.restore(engine, full_precision)
-    install_gradient_sync(engine, layout)
-    return engine, layout
+def _recompute(mode: str) -> dict[str, Any]:
+    if mode == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["mhc", "mlp", "moe"])
+    if mode == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return {}
 
 
-# ----------------------------------------------------------------------------- the loop
-def _mean_over_ranks(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    if dist.get_world_size() > 1:
-        dist.all_reduce(t)
-        t /= dist.get_world_size()
-    return t.tolist()
+class Trainer:
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.cfg: Glm53Config = model_config(config)
+        self.engine: Any = None
+        self.layout: ParallelLayout | None = None
+        self.stream: SampleStream | None = None
+        self.start_step = 0
+        self.last: dict[str, Any] = {}
+        self.writer: MetricsWriter | None = None
+        self.progress: tqdm | None = None
 
+    # ------------------------------------------------------------------ set-up
+    def setup(self) -> None:
+        c, cfg = self.config, self.cfg
+        tokenizer = _or_setup_error(lambda: load_tokenizer(c.tokenizer))
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise SetupError(
+                f"--tokenizer {c.tokenizer!r} has {tokenizer.vocab_size} tokens, more than the model's vocab_size "
+                f"{cfg.vocab_size}"
+            )
+        init_distributed()
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        try:
+            validate_layout(self.world, c.ep, c.etp, cfg)
+        except ValueError as e:
+            raise SetupError(f"--ep {c.ep} --etp {c.etp}: {e}") from e
+        self.gas = gradient_accumulation(c, self.world)
+        self.ds_config = deepspeed_config(c, self.world, self.gas)
+        # Rank 0 tokenizes (text/jsonl) once; the others wait, then every rank reads the same indexed dataset.
+        cache_dir = os.path.join(c.output_dir, "data_cache")
+        if self.rank == 0:
+            prefix = _or_setup_error(lambda: resolve_dataset(c.data, tokenizer, c.tokenizer, cache_dir))
+        dist.barrier()
+        if self.rank != 0:
+            prefix = _or_setup_error(lambda: resolve_dataset(c.data, tokenizer, c.tokenizer, cache_dir))
+        self.stream = _or_setup_error(lambda: SampleStream(prefix, c.seq_length, c.seed, cfg.vocab_size))
 
-def train(args: Any) -> dict[str, Any]:
-    from ..parallel.checkpoint import load_checkpoint, save_checkpoint
-    from ..parallel.replicas import check_replicas
-    from ..parallel.router_balance import update_router_bias
-    from .metrics import MetricsWriter, plot_loss
-
-    env = setup(args)
-    engine, layout = build_engine(args, env)
-    cfg, stream, rank, world, gas = env["cfg"], env["stream"], env["rank"], env["world"], env["gas"]
-    start_step = 0
-    if args.load:
-        client = load_checkpoint(engine, layout, args.load, tag=args.load_tag)
-        start_step = int(client.get("step", 0))  # 0 for a model-only (converted) checkpoint
-        if "rng" in client:
-            torch.set_rng_state(client["rng"])
-    writer = (
-        MetricsWriter(env["output_dir"], args.tensorboard_dir, append=bool(args.load)) if rank == 0 else None
-    )
-    progress = None
-    if rank == 0:
-        from tqdm import tqdm
-
-        progress = tqdm(
-            total=args.train_iters, initial=start_step, desc="train", dynamic_ncols=True, file=sys.stderr
+        self.layout = init_layout(c.ep, c.etp, cfg)
+        self.engine = build_engine(
+            self._build_model(), self.ds_config, optimizer=self._adamw, layout=self.layout
         )
+        if c.load:
+            client = load_checkpoint(self.engine, c.load, tag=c.load_tag)
+            self.start_step = int(client.get("step", 0))  # 0 for a model-only (converted) checkpoint
+            if "rng" in client:
+                torch.set_rng_state(client["rng"])
+        if self.rank == 0:
+            self.writer = MetricsWriter(c.output_dir, c.tensorboard_dir, append=bool(c.load))
+            self.progress = tqdm(total=c.train_iters, initial=self.start_step, desc="train", dynamic_ncols=True,
+                                 file=sys.stderr)  # fmt: skip
 
-    def save(step: int) -> None:
-        check_replicas(engine.module, layout)
-        save_checkpoint(
-            engine,
-            layout,
-            args.save,
-            f"step{step}",
-            client_state={"step": step, "rng": torch.get_rng_state()},
-        )
+    def _build_model(self) -> Glm53Model:
+        c, cfg = self.config, self.cfg
+        assert self.layout is not None
+        dtype = torch.bfloat16 if self.ds_config.get("bf16", {}).get("enabled") else torch.float32
+        tconfig = make_transformer_config(
+            cfg, dtype=dtype, expert_model_parallel_size=c.ep, expert_tensor_parallel_size=c.etp,
+            moe_seq_aux_loss_coef=c.aux_loss_coef, **_recompute(c.recompute),
+        )  # fmt: skip
+        torch.manual_seed(c.seed)
+        use_mtp = cfg.num_nextn_predict_layers > 0
+        checkpoint = SafetensorsCheckpoint(c.hf_dir) if c.hf_dir else None
+        if checkpoint is not None:
+            use_mtp = use_mtp and checkpoint_has_mtp(checkpoint.keys(), cfg)
+        model = Glm53Model(tconfig, mtp=use_mtp, pg_collection=self.layout.pg_collection)
+        if checkpoint is not None:
+            load_hf_state_into(model, checkpoint, mtp=use_mtp)  # each rank reads only its expert shard
+        return model
 
-    last: dict[str, Any] = {}
-    tokens_per_step = args.micro_batch_size * gas * world * args.seq_length
-    bias_rate = router_bias_update_rate(args)
-    for step in range(start_step, args.train_iters):
+    def _adamw(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        for group in groups:
+            group["weight_decay"] = self.config.weight_decay
+        return torch.optim.AdamW(groups, lr=self.config.lr, betas=(0.9, 0.95), eps=1e-8)
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self, step: int) -> dict[str, Any]:
+        """Step `step` (0-based) over the global batch; returns its metrics record."""
+        c, engine = self.config, self.engine
+        assert self.stream is not None
         started = time.perf_counter()
-        lr = lr_at(step, args)
+        lr = c.lr_at(step)
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
-        sums = [0.0, 0.0, 0.0]  # total, lm, mtp
-        for micro in range(gas):
+        parts: list[LossParts] = []
+        for micro in range(self.gas):
             # a sample is seq_length + 1 tokens; the model takes HF-style labels aligned with its input and
             # shifts them itself, so the labels are the whole sample and the input drops its last token
-            batch = stream.batch(step, micro, rank, world, args.micro_batch_size, gas).to(engine.device)
-            loss = engine(batch[:, :-1], labels=batch[:, :-1], next_tokens=batch[:, -1:])
-            finite = torch.tensor([float(torch.isfinite(loss.detach()).all())])
-            if world > 1:
-                dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-            if finite.item() < 1:
-                raise TrainingStopped(
-                    f"loss is {loss.item()} at step {step + 1} (micro-batch {micro}); training stopped before updating "
-                    f"the weights. The last good checkpoint is in {args.save or '(none: --save not given)'}"
-                )
-            engine.backward(loss)
+            batch = self.stream.batch(step, micro, self.rank, self.world, c.micro_batch_size, self.gas)
+            batch = batch.to(engine.device)
+            loss: LossParts = engine(
+                batch[:, :-1], labels=batch[:, :-1], next_tokens=batch[:, -1:], return_parts=True
+            )
+            engine.backward(loss.total)
+            parts.append(loss)
+            if micro == self.gas - 1:
+                self._stop_if_not_finite(step, parts)  # before the one update of the step
             engine.step()
-            parts = engine.module.last_losses
-            sums[0] += loss.item() / gas
-            sums[1] += parts["lm_loss"] / gas
-            sums[2] += parts.get("mtp_loss", 0.0) / gas
-        balance = update_router_bias(engine.module, rate=bias_rate)
-        total, lm, mtp = _mean_over_ranks(sums)
+        balance = update_router_bias(engine.module, rate=c.router_bias_update_rate)
+        total, lm, mtp = self._logged
         step_time = time.perf_counter() - started
         norm = engine.get_global_grad_norm()
-        last = dict(step=step + 1, loss=total, lm_loss=lm, lr=lr, grad_norm=None if norm is None else float(norm),
-                    tokens_per_s=tokens_per_step / step_time, step_time=step_time,
-                    moe_imbalance=max(balance.values()) if balance else None)  # fmt: skip
+        tokens = c.micro_batch_size * self.gas * self.world * c.seq_length
+        record = dict(step=step + 1, loss=total, lm_loss=lm, lr=lr, grad_norm=None if norm is None else float(norm),
+                      tokens_per_s=tokens / step_time, step_time=step_time,
+                      moe_imbalance=max(balance.values()) if balance else None)  # fmt: skip
         if engine.module.mtp is not None:
-            last["mtp_loss"] = mtp
-        if writer is not None:
-            writer.write(last)
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix(loss=f"{lm:.3f}", lr=f"{lr:.2e}")
-            if args.log_interval and (step + 1) % args.log_interval == 0:
-                progress.write(_format(last))
-        if args.check_replicas_interval and (step + 1) % args.check_replicas_interval == 0:
-            check_replicas(engine.module, layout)
-        if args.save and args.save_interval and (step + 1) % args.save_interval == 0:
-            save(step + 1)
-    if (
-        args.save
-        and (not args.save_interval or args.train_iters % args.save_interval)
-        and start_step < args.train_iters
-    ):
-        save(args.train_iters)
-    if progress is not None:
-        progress.close()
-    if writer is not None:
-        writer.close()
-        if os.path.getsize(writer.path):
-            plot_loss(writer.path, os.path.join(env["output_dir"], "loss.png"))
-    if args.export_hf:
-        from ..convert.export_hf import export_engine_to_hf
+            record["mtp_loss"] = mtp
+        return record
 
-        export_engine_to_hf(engine, layout, cfg, args.export_hf, template=args.hf_dir)
-    return last
+    def _stop_if_not_finite(self, step: int, parts: list[LossParts]) -> None:
+        """One all-reduce and one host sync per step: which micro-batches were not finite anywhere, and the
+        losses to log (means over micro-batches and ranks)."""
+        flags = torch.stack([(~torch.isfinite(p.total.detach())).float() for p in parts])
+        zero = torch.zeros((), device=flags.device)
+        per_micro = torch.stack(
+            [
+                torch.stack([p.total.detach(), p.lm.detach(), zero if p.mtp is None else p.mtp.detach()])
+                for p in parts
+            ]
+        ).float()  # [micro, 3]: total, lm, mtp
+        sums = per_micro.sum(0) / (self.gas * self.world)
+        packed = torch.cat([flags, sums]).double()
+        if self.world > 1:
+            dist.all_reduce(packed)
+        values = packed.tolist()  # the one host sync
+        flags_out, self._logged = values[: len(parts)], values[len(parts) :]
+        bad = [i for i, f in enumerate(flags_out) if f > 0]
+        if bad:
+            raise TrainingStopped(
+                f"loss is {self._logged[0]} at step {step + 1} (micro-batch {bad[0]}); training stopped before "
+                f"updating the weights. The last good checkpoint is in {self.config.save or '(none: --save not given)'}"
+            )
+
+    # ------------------------------------------------------------------ checkpoints and the end
+    def save(self, step: int) -> None:
+        assert self.layout is not None and self.config.save
+        check_replicas(self.engine.module, self.layout)
+        save_checkpoint(self.engine, self.config.save, f"step{step}",
+                        client_state={"step": step, "rng": torch.get_rng_state()})  # fmt: skip
+
+    def _log(self, record: dict[str, Any]) -> None:
+        self.last = record
+        if self.writer is not None:
+            self.writer.write(record)
+        if self.progress is not None:
+            self.progress.update(1)
+            self.progress.set_postfix(loss=f"{record['lm_loss']:.3f}", lr=f"{record['lr']:.2e}")
+            if self.config.log_interval and record["step"] % self.config.log_interval == 0:
+                self.progress.write(format_record(record))
+
+    def finish(self) -> None:
+        c = self.config
+        if (
+            c.save
+            and (not c.save_interval or c.train_iters % c.save_interval)
+            and self.start_step < c.train_iters
+        ):
+            self.save(c.train_iters)
+        if self.progress is not None:
+            self.progress.close()
+        if self.writer is not None:
+            self.writer.close()
+            if os.path.getsize(self.writer.path):
+                plot_loss(self.writer.path, os.path.join(c.output_dir, "loss.png"))
+        if c.export_hf:
+            export_engine_to_hf(self.engine, self.cfg, c.export_hf, template=c.hf_dir)
+
+    def run(self) -> dict[str, Any]:
+        self.setup()
+        c = self.config
+        assert self.layout is not None
+        for step in range(self.start_step, c.train_iters):
+            self._log(self.train_step(step))
+            if c.check_replicas_interval and (step + 1) % c.check_replicas_interval == 0:
+                check_replicas(self.engine.module, self.layout)
+            if c.save and c.save_interval and (step + 1) % c.save_interval == 0:
+                self.save(step + 1)
+        self.finish()
+        return self.last
 
 
-def _format(record: dict[str, Any]) -> str:
+def format_record(record: dict[str, Any]) -> str:
     parts = [f"step {record['step']}", f"loss {record['lm_loss']:.4f}"]
     if "mtp_loss" in record:
         parts.append(f"mtp {record['mtp_loss']:.4f}")
@@ -384,11 +316,9 @@ def _format(record: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .args import build_parser
-
     args = build_parser().parse_args(argv)
     try:
-        last = train(args)
+        last = Trainer(TrainConfig.from_args(args)).run()
     except SetupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -396,5 +326,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nerror: {e}", file=sys.stderr)  # after the progress bar's line
         return 3
     if dist.is_initialized() and dist.get_rank() == 0 and last:
-        print("final: " + _format(last))
+        print("final: " + format_record(last))
     return 0

@@ -1,8 +1,9 @@
 """Routed experts stored as grouped tensors, computed token-group by expert (dropless).
 
 `gate_up_proj [E_local, 2 * I_local, D]` (rows: gate, then up) and `down_proj [E_local, D, I_local]` hold this
-rank's experts (`first_expert .. first_expert + E_local - 1`) and, under expert tensor parallelism, this rank's
-slice of each expert's intermediate dimension. Clamped SwiGLU as HF: gate clamped above at `swiglu_limit`, up
+rank's `ExpertShard` (`parallel/expert_shard.py`): its experts and, under expert tensor parallelism, its slice of
+each expert's intermediate dimension. The parameters carry `allreduce = False` (megatron's convention for
+expert-parallel parameters): their replicas are the ranks holding the same shard, not the world. Clamped SwiGLU as HF: gate clamped above at `swiglu_limit`, up
 clamped to [-limit, limit].
 """
 
@@ -12,27 +13,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...parallel.expert_shard import ExpertShard
 from ...transformer_config import Glm53TransformerConfig
 
 
 class GroupedExperts(nn.Module):
-    def __init__(
-        self,
-        config: Glm53TransformerConfig,
-        num_local_experts: int | None = None,
-        first_expert: int = 0,
-        tp_size: int = 1,
-    ) -> None:
+    def __init__(self, config: Glm53TransformerConfig, shard: ExpertShard | None = None) -> None:
         super().__init__()
         cfg = config.glm
-        assert cfg is not None
-        self.num_local_experts = cfg.n_routed_experts if num_local_experts is None else num_local_experts
-        self.first_expert = first_expert
-        if cfg.moe_intermediate_size % tp_size:
-            raise ValueError(
-                f"moe_intermediate_size ({cfg.moe_intermediate_size}) is not divisible by ETP={tp_size}"
-            )
-        self.intermediate = cfg.moe_intermediate_size // tp_size
+        self.shard = shard or ExpertShard.for_config(cfg)
+        self.num_local_experts = self.shard.num_local
+        self.first_expert = self.shard.first_expert
+        self.intermediate = self.shard.local_intermediate
         self.swiglu_limit = cfg.swiglu_limit
         dtype = config.params_dtype
         self.gate_up_proj = nn.Parameter(
@@ -43,6 +35,8 @@ class GroupedExperts(nn.Module):
         )
         nn.init.normal_(self.gate_up_proj, mean=0.0, std=cfg.initializer_range)
         nn.init.normal_(self.down_proj, mean=0.0, std=cfg.initializer_range)
+        self.gate_up_proj.allreduce = False  # type: ignore[attr-defined]
+        self.down_proj.allreduce = False  # type: ignore[attr-defined]
 
     def expert_ffn(self, local_expert: int, x: torch.Tensor) -> torch.Tensor:
         """One expert's (slice of its) FFN on its tokens x [n, D] -> [n, D]."""

@@ -6,11 +6,14 @@ import copy
 from typing import Any
 
 import torch
-from megatron.core import parallel_state
+import torch.distributed as dist
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from torch import nn
 
+from ...parallel.expert_shard import ExpertShard
+from ...parallel.moe_dispatch import ExpertParallelDispatch
 from ...transformer_config import Glm53TransformerConfig
 from .experts import GroupedExperts
 from .router import TopKRouter
@@ -19,30 +22,31 @@ from .router import TopKRouter
 class Glm53MoE(nn.Module):
     expert_load: torch.Tensor
 
-    def __init__(self, config: Glm53TransformerConfig, **unused: Any) -> None:
+    def __init__(
+        self,
+        config: Glm53TransformerConfig,
+        pg_collection: ProcessGroupCollection | None = None,
+        **unused: Any,
+    ) -> None:
         super().__init__()
         cfg = config.glm
-        assert cfg is not None
         self.router = TopKRouter(config)
-        # Expert parallelism comes from megatron's standard config fields and parallel_state groups.
+        # Expert parallelism: sizes from megatron's standard config fields, groups from the pg_collection the
+        # layer hands in (megatron's parallel_state groups when none is given, as megatron's own modules do).
         ep = config.expert_model_parallel_size
         etp = config.expert_tensor_parallel_size or 1
-        if cfg.n_routed_experts % ep:
-            raise ValueError(f"n_routed_experts ({cfg.n_routed_experts}) is not divisible by EP={ep}")
-        local = cfg.n_routed_experts // ep
-        ep_rank = parallel_state.get_expert_model_parallel_rank() if ep > 1 else 0
-        self.experts = GroupedExperts(
-            config, num_local_experts=local, first_expert=ep_rank * local, tp_size=etp
-        )
-        self.dispatch = None
+        ep_rank = etp_rank = 0
         if ep * etp > 1:
-            from ...parallel.moe_dispatch import ExpertParallelDispatch
-
-            self.dispatch = ExpertParallelDispatch(
-                cfg.n_routed_experts,
-                parallel_state.get_expert_model_parallel_group(),
-                parallel_state.get_expert_tensor_parallel_group(),
-            )
+            if pg_collection is None:
+                pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["ep", "expt_tp"])
+            ep_rank, etp_rank = dist.get_rank(pg_collection.ep), dist.get_rank(pg_collection.expt_tp)
+        shard = ExpertShard.for_config(cfg, ep, ep_rank, etp, etp_rank)
+        self.experts = GroupedExperts(config, shard)
+        self.dispatch = (
+            ExpertParallelDispatch(shard, pg_collection.ep, pg_collection.expt_tp)
+            if pg_collection is not None and ep * etp > 1
+            else None
+        )
         self.shared_experts: MLP | None = None
         if cfg.n_shared_experts > 0:
             # megatron's MLP sizes linear_fc2 from config.ffn_hidden_size, so give it a config of its own
@@ -77,7 +81,7 @@ class Glm53MoE(nn.Module):
         if self.dispatch is None:
             routed = self.experts(tokens, expert_ids, weights)
         else:
-            routed = self.dispatch(self.experts, tokens, expert_ids, weights)
+            routed = self.dispatch(self.experts.expert_ffn, tokens, expert_ids, weights)
         out = routed.view_as(hidden_states)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden_states)[0]

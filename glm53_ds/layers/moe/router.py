@@ -21,7 +21,6 @@ class TopKRouter(nn.Module):
     def __init__(self, config: Glm53TransformerConfig) -> None:
         super().__init__()
         cfg = config.glm
-        assert cfg is not None
         self.num_experts = cfg.n_routed_experts
         self.top_k = cfg.num_experts_per_tok
         self.n_group = cfg.n_group

@@ -8,8 +8,7 @@ measures that cost), but three things can keep the full values:
   - `capture` before `deepspeed.initialize` and `restore` after it: the masters start from the unrounded values;
   - `gather` when saving: checkpoints (and `--export-hf`) store the fp32 masters, as the released layout does;
   - `restore` after loading a model-only checkpoint, whose stored values are fp32.
-Masters are reached through DeepSpeed's `safe_get/set_full_fp32_param` (ZeRO 1/2/3, BF16_Optimizer) or, for the
-stage-0 bf16/fp16 optimizer, its `fp16_groups`/`fp32_groups` pairs.
+How a master is reached is DeepSpeed-internal (`deepspeed_internals.fp32_master_accessors`).
 """
 
 from __future__ import annotations
@@ -18,6 +17,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .deepspeed_internals import fp32_master_accessors
 
 
 def fp32_kept_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -30,33 +31,17 @@ def capture(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().clone() for n, p in fp32_kept_parameters(model)}
 
 
-def _stage0_master(engine: Any, param: nn.Parameter) -> torch.Tensor | None:
-    optimizer = engine.optimizer
-    for low, high in zip(
-        getattr(optimizer, "fp16_groups", ()), getattr(optimizer, "fp32_groups", ()), strict=False
-    ):
-        for lp, hp in zip(low, high, strict=False):
-            if lp is param:
-                return hp
-    return None
-
-
 def restore(engine: Any, values: dict[str, torch.Tensor]) -> int:
     """Set the fp32 masters of the rounded fp32-kept parameters to `values`; returns how many were set.
     Local (each rank sets its own fragment), but every rank must call it."""
-    from deepspeed.utils import safe_set_full_fp32_param
-
     count = 0
     for name, param in fp32_kept_parameters(engine.module):
         if param.dtype == torch.float32 or name not in values:
             continue
-        value = values[name].to(device=param.device, dtype=torch.float32)
-        if hasattr(param, "_hp_mapping") or hasattr(param, "ds_id"):
-            safe_set_full_fp32_param(param, value)
-        elif (master := _stage0_master(engine, param)) is not None:
-            master.data.copy_(value.reshape(master.shape))
-        else:
+        accessors = fp32_master_accessors(engine, param)
+        if accessors is None:
             continue
+        accessors[1](values[name].to(device=param.device, dtype=torch.float32))
         count += 1
     return count
 
@@ -64,16 +49,12 @@ def restore(engine: Any, values: dict[str, torch.Tensor]) -> int:
 def gather(engine: Any) -> dict[str, torch.Tensor]:
     """The fp32 masters of the rounded fp32-kept parameters, on the CPU. Collective under ZeRO (an all-reduce
     over each parameter's data-parallel group): every rank calls it."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
     out = {}
     for name, param in fp32_kept_parameters(engine.module):
         if param.dtype == torch.float32:
             continue
-        if hasattr(param, "_hp_mapping") or hasattr(param, "ds_id"):
-            master = safe_get_full_fp32_param(param)
-        else:
-            master = _stage0_master(engine, param)
+        accessors = fp32_master_accessors(engine, param)
+        master = accessors[0]() if accessors is not None else None
         if master is not None:
             out[name] = master.detach().reshape(param.shape).float().cpu()
     return out

@@ -23,18 +23,19 @@ Every file is written to a temporary name and renamed; `latest` moves only after
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..config import Glm53Config
+from ..convert.export_hf import native_to_hf
 from ..convert.native_format import ShardReader, ShardWriter, expert_set_name, read_layout, write_layout
+from ..parallel.layout import ParallelLayout
+from ..parallel.params import is_expert_param
 from . import fp32_masters
-from .grad_sync import is_expert_param
-from .initialize import ParallelLayout
-
-# Tests set this to a tag to kill the process in the middle of saving it.
-FAIL_ENV = "GLM53_TEST_DIE_DURING_SAVE"
+from .deepspeed_internals import moe_checkpoint_files_off
 
 
 def _atomic_save(obj: Any, path: str) -> None:
@@ -50,37 +51,45 @@ def _atomic_write_text(text: str, path: str) -> None:
     os.replace(tmp, path)
 
 
-def _write_module(engine: Any, layout: ParallelLayout, root: str, tag: str) -> None:
+def _write_replicated(model: Any, layout: ParallelLayout, root: str, state: dict[str, torch.Tensor],
+                      expert_names: set[str]) -> None:  # fmt: skip
+    """Every non-expert tensor and layout.json (global rank 0)."""
+    if layout.rank != 0:
+        return
+    writer = ShardWriter(root, "replicated")
+    for name, t in state.items():
+        if name not in expert_names:
+            writer.add(name, t)
+    writer.close()
+    cfg = getattr(model, "glm", None)
+    write_layout(root, dict(ep=layout.ep, etp=layout.etp, world_size=layout.world_size, model_only=False,
+                            config=cfg.to_text_dict() if cfg is not None else None))  # fmt: skip
+
+
+def _write_experts(
+    layout: ParallelLayout, root: str, state: dict[str, torch.Tensor], expert_names: set[str]
+) -> None:
+    """This rank's expert shard (its expert-data-parallel rank 0)."""
+    if dist.get_rank(layout.expert_dp_group) != 0:
+        return
+    writer = ShardWriter(root, expert_set_name(layout.ep_rank, layout.etp_rank))
+    for name in sorted(expert_names):
+        writer.add(name, state[name])
+    writer.close()
+
+
+def save_checkpoint(engine: Any, save_dir: str, tag: str, client_state: dict | None = None) -> str:
+    """Save; returns the checkpoint directory `<save_dir>/<tag>`. Collective."""
+    layout: ParallelLayout = engine.glm53_layout
+    engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False)
+    root = os.path.join(save_dir, tag, "glm53")
+    os.makedirs(root, exist_ok=True)
     model = engine.module
     expert_names = {n for n, p in model.named_parameters() if is_expert_param(p)}
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state") and v is not None}
     state.update(fp32_masters.gather(engine))  # HF's fp32-kept parameters at full precision (collective)
-    if layout.rank == 0:
-        writer = ShardWriter(root, "replicated")
-        for name, t in state.items():
-            if name not in expert_names:
-                writer.add(name, t)
-        writer.close()
-        cfg = getattr(model, "glm", None)
-        write_layout(root, dict(ep=layout.ep, etp=layout.etp, world_size=layout.world_size, model_only=False,
-                                config=cfg.to_text_dict() if cfg is not None else None))  # fmt: skip
-    if os.environ.get(FAIL_ENV) == tag:  # fault injection for tests: die mid-save, before `latest` moves
-        os._exit(17)
-    if dist.get_rank(layout.expert_dp_group) == 0:
-        writer = ShardWriter(root, expert_set_name(layout.ep_rank, layout.etp_rank))
-        for name in sorted(expert_names):
-            writer.add(name, state[name])
-        writer.close()
-
-
-def save_checkpoint(
-    engine: Any, layout: ParallelLayout, save_dir: str, tag: str, client_state: dict | None = None
-) -> str:
-    """Save; returns the checkpoint directory `<save_dir>/<tag>`."""
-    engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False)
-    root = os.path.join(save_dir, tag, "glm53")
-    os.makedirs(root, exist_ok=True)
-    _write_module(engine, layout, root, tag)
+    _write_replicated(model, layout, root, state, expert_names)
+    _write_experts(layout, root, state, expert_names)
     if engine.zero_optimization_stage() == 0:
         _atomic_save(engine.optimizer.state_dict(), os.path.join(root, f"optimizer_rank{layout.rank:05d}.pt"))
     dist.barrier()
@@ -98,8 +107,9 @@ def latest_tag(load_dir: str) -> str:
         return f.read().strip()
 
 
-def load_checkpoint(engine: Any, layout: ParallelLayout, load_dir: str, tag: str | None = None) -> dict:
+def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None) -> dict:
     """Restore model (and, unless model-only, optimizer and client state); returns the client state."""
+    layout: ParallelLayout = engine.glm53_layout
     tag = tag or latest_tag(load_dir)
     root = os.path.join(load_dir, tag, "glm53")
     meta = read_layout(root)
@@ -110,10 +120,7 @@ def load_checkpoint(engine: Any, layout: ParallelLayout, load_dir: str, tag: str
         )
     client_state: dict = {}
     if not meta.get("model_only"):
-        # DeepSpeed would look for its own per-expert files; the model comes from glm53's files below.
-        has_moe = engine.has_moe_layers
-        engine.has_moe_layers = False
-        try:
+        with moe_checkpoint_files_off(engine):  # the model comes from glm53's files below
             _, client_state = engine.load_checkpoint(
                 load_dir,
                 tag=tag,
@@ -121,8 +128,6 @@ def load_checkpoint(engine: Any, layout: ParallelLayout, load_dir: str, tag: str
                 load_optimizer_states=True,
                 load_lr_scheduler_states=True,
             )
-        finally:
-            engine.has_moe_layers = has_moe
     readers = [
         ShardReader(root, "replicated"),
         ShardReader(root, expert_set_name(layout.ep_rank, layout.etp_rank)),
@@ -153,3 +158,17 @@ def load_checkpoint(engine: Any, layout: ParallelLayout, load_dir: str, tag: str
             torch.load(os.path.join(root, f"optimizer_rank{layout.rank:05d}.pt"), map_location="cpu")
         )
     return client_state or {}
+
+
+def export_engine_to_hf(engine: Any, cfg: Glm53Config, out_dir: str, template: str | None = None) -> None:
+    """From a running job: write a checkpoint next to the output, then rank 0 converts it. Collective."""
+    work = f"{out_dir.rstrip('/')}.native"
+    tag_dir = save_checkpoint(engine, work, "export")
+    if dist.get_rank() == 0:
+        if template:
+            shutil.copyfile(
+                os.path.join(template, "config.json"), os.path.join(tag_dir, "glm53", "hf_config.json")
+            )
+        native_to_hf(tag_dir, out_dir, hf_template=template, force=True)
+        shutil.rmtree(work, ignore_errors=True)
+    dist.barrier()

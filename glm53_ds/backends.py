@@ -1,0 +1,85 @@
+"""Kernel backends, chosen by configuration: one resolver for every kernel choice of the model.
+
+Three fields of `Glm53TransformerConfig` pick how a part of the model is computed:
+
+| field           | values                 | default | what                                                          |
+|-----------------|------------------------|---------|---------------------------------------------------------------|
+| `attention_impl`| `sdpa`, `eager`        | `sdpa`  | MLA core: torch's fused SDPA, or HF's eager expression        |
+| `kda_impl`      | `auto`, `torch`, `fla` | `auto`  | KDA chunked delta rule: fla-core's kernel on CUDA when installed |
+| `hc_post_impl`  | `auto`, `eager`, `triton` | `auto` | mHC write-back: fused Triton kernels on CUDA                |
+
+Environment variables only supply the defaults, read when a config is built (`GLM53_ATTENTION`, `GLM53_KDA`,
+`GLM53_HC_POST`); a config's value is then what runs. `auto` is resolved per call from the tensors' device.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+ATTENTION, KDA, HC_POST = "attention_impl", "kda_impl", "hc_post_impl"
+CHOICES = {ATTENTION: ("sdpa", "eager"), KDA: ("auto", "torch", "fla"), HC_POST: ("auto", "eager", "triton")}
+ENV = {ATTENTION: "GLM53_ATTENTION", KDA: "GLM53_KDA", HC_POST: "GLM53_HC_POST"}
+DEFAULT = {ATTENTION: "sdpa", KDA: "auto", HC_POST: "auto"}
+
+
+def check(field: str, value: str, source: str | None = None) -> str:
+    """`value`, normalised, if it is a valid choice for `field`; else a ValueError naming the field (and source)."""
+    normalised = value.strip().lower()
+    if normalised not in CHOICES[field]:
+        where = f" (from {source})" if source else ""
+        raise ValueError(f"{field}={value!r}{where}: expected one of {', '.join(CHOICES[field])}")
+    return normalised
+
+
+def default(field: str) -> str:
+    """The default of `field`: its environment variable when set, else the built-in default."""
+    env = ENV[field]
+    value = os.environ.get(env, "").strip()
+    return check(field, value, source=f"{env}={value!r}") if value else DEFAULT[field]
+
+
+# Both are evaluated eagerly, also inside torch.compile (their results are constants of the graph).
+@torch.compiler.assume_constant_result
+def triton_interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+_IMPORTABLE: dict[str, bool] = {}
+
+
+@torch.compiler.assume_constant_result
+def importable(module: str) -> bool:
+    if module not in _IMPORTABLE:
+        try:
+            importlib.import_module(module)
+            _IMPORTABLE[module] = True
+        except Exception:
+            _IMPORTABLE[module] = False
+    return _IMPORTABLE[module]
+
+
+def resolve(field: str, value: str, device: torch.device) -> str:
+    """The concrete backend `field = value` means for tensors on `device`; a RuntimeError if it cannot run there."""
+    value = check(field, value)
+    cuda = device.type == "cuda"
+    if field == KDA:
+        if value == "auto":
+            return "fla" if cuda and importable("fla.ops.kda") else "torch"
+        if value == "fla" and not (cuda and importable("fla.ops.kda")):
+            raise RuntimeError(
+                f"{KDA}='fla' needs CUDA tensors and the fla-core package (pip install fla-core)"
+            )
+    elif field == HC_POST:
+        if value == "auto":
+            return "triton" if cuda and importable("triton") else "eager"
+        if value == "triton":
+            if not importable("triton"):
+                raise RuntimeError(f"{HC_POST}='triton' but the triton package cannot be imported")
+            if not cuda and not triton_interpreter_enabled():
+                raise RuntimeError(
+                    f"{HC_POST}='triton' on {device.type} tensors needs TRITON_INTERPRET=1 (Triton's CPU interpreter)"
+                )
+    return value

@@ -1,0 +1,164 @@
+"""`build_engine(model, ds_config)`: a GLM-5.3 model under a DeepSpeed engine, in one call.
+
+The sequence (every step needed for correctness; docs/parallelism.md explains each):
+    check_version()                            refuse a DeepSpeed the patches were not written for
+    layout                                     the one the model was built under (world 1 set up if none)
+    prepare_model(model, layout)               expert tags, MoE markers, replicated weights untagged
+    register_expert_groups(layout)             megatron's EP / expert-DP groups as DeepSpeed's
+    optimizer                                  AdamW over DeepSpeed's MoE parameter groups (or the caller's)
+    kept = fp32_masters.capture(model)         before DeepSpeed's bf16 cast rounds them
+    deepspeed.initialize(..., mpu=DeepSpeedMpu(layout))
+    fp32_masters.restore(engine, kept)         the optimizer masters start unrounded
+    install_gradient_sync(engine, layout)      ETP pre-average of replicated gradients, global clipping norm
+The engine carries its layout as `engine.glm53_layout` (checkpoints read it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from torch import nn
+
+from ..compat.deepspeed_shm import register_cleanup
+from ..layers.moe import Glm53MoE
+from ..parallel.layout import ParallelLayout, init_layout
+from ..parallel.params import is_expert_param
+from ..parallel.state import default_backend, free_port
+from . import fp32_masters
+from .deepspeed_internals import (
+    DeepSpeedMoEMarker,
+    check_version,
+    install_gradient_sync,
+    register_expert_groups,
+)
+from .mpu import DeepSpeedMpu
+
+OptimizerArg = torch.optim.Optimizer | Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None
+
+# AdamW as the trainer uses it (DeepSeek-V3 / GLM betas); the learning rate is set every step by the trainer.
+ADAMW_DEFAULTS: dict[str, Any] = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+
+
+def init_distributed() -> None:
+    """torch.distributed through DeepSpeed's launcher environment; a world of one when launched without it (or
+    adopted from an existing world-1 process group, e.g. `glm53_ds.build_model`'s)."""
+    if dist.is_initialized():
+        if dist.get_world_size() == 1:  # DeepSpeed's engine wants the launcher's variables
+            for key in ("RANK", "LOCAL_RANK"):
+                os.environ.setdefault(key, "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+    else:
+        for key, value in (
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("LOCAL_RANK", "0"),
+            ("MASTER_ADDR", "127.0.0.1"),
+        ):
+            os.environ.setdefault(key, value)
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        if not torch.cuda.is_available():
+            register_cleanup()
+    deepspeed.init_distributed(dist_backend=default_backend(), verbose=False)
+
+
+def prepare_model(model: nn.Module, layout: ParallelLayout) -> None:
+    """Tag parameters as DeepSpeed expects and attach the MoE markers (idempotent).
+
+    - Expert parameters (`allreduce = False`, set by the model) get `group_name = "ep_size_<EP>"` and, under
+      ETP, `tensor_model_parallel = True`, so DeepSpeed's norms count each expert slice on its shard.
+    - megatron marks its linear weights `tensor_model_parallel` even at TP = 1; attention runs with TP = 1 here,
+      so those weights are replicas and must be reduced and counted as such.
+    - DeepSpeed handles expert gradients only when it finds a module of its MoE type: a parameter-less marker
+      (`deepspeed_internals.DeepSpeedMoEMarker`) is attached to each GLM MoE layer."""
+    for p in model.parameters():
+        if is_expert_param(p):
+            p.group_name = layout.expert_group_name  # type: ignore[attr-defined]
+            p.tensor_model_parallel = layout.etp > 1  # type: ignore[attr-defined]
+        elif getattr(p, "tensor_model_parallel", False):
+            p.tensor_model_parallel = False  # type: ignore[attr-defined]
+    for module in model.modules():
+        if isinstance(module, Glm53MoE) and not hasattr(module, "deepspeed_moe_marker"):
+            module.deepspeed_moe_marker = DeepSpeedMoEMarker(
+                module.router.num_experts, layout.ep, layout.expert_group_name
+            )
+
+
+def optimizer_param_groups(model: nn.Module, weight_decay: float = 0.0) -> list[dict[str, Any]]:
+    """Trainable parameters in DeepSpeed's MoE optimizer groups (ZeRO needs experts in groups of their own).
+    Call after `prepare_model` (the split reads the expert tags)."""
+    groups = [
+        {
+            "params": [p for p in model.parameters() if p.requires_grad],
+            "weight_decay": weight_decay,
+            "name": "dense",
+        }
+    ]
+    return split_params_into_different_moe_groups_for_optimizer(groups)
+
+
+def _optimizer(model: nn.Module, optimizer: OptimizerArg, ds_config: dict[str, Any]) -> torch.optim.Optimizer:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        for i, group in enumerate(optimizer.param_groups):
+            kinds = {is_expert_param(p) for p in group["params"]}
+            if len(kinds) > 1:
+                raise ValueError(
+                    f"build_engine: optimizer param group {i} mixes expert and non-expert parameters; pass a "
+                    "factory (optimizer=lambda groups: ...) to receive DeepSpeed's MoE groups"
+                )
+        return optimizer
+    if optimizer is not None:
+        return optimizer(optimizer_param_groups(model))
+    section = ds_config.get("optimizer") or {}
+    if section and str(section.get("type", "")).lower() not in ("adam", "adamw"):
+        raise ValueError(
+            f"build_engine: the DeepSpeed config's optimizer type {section.get('type')!r} is not supported "
+            "(glm53_ds builds AdamW itself; pass optimizer= for another)"
+        )
+    params = {**ADAMW_DEFAULTS, **{k: v for k, v in section.get("params", {}).items() if k in ADAMW_DEFAULTS}}
+    params["betas"] = tuple(params["betas"])
+    weight_decay = params.pop("weight_decay")
+    return torch.optim.AdamW(optimizer_param_groups(model, weight_decay), **params)
+
+
+def build_engine(
+    model: nn.Module,
+    ds_config: dict[str, Any],
+    optimizer: OptimizerArg = None,
+    layout: ParallelLayout | None = None,
+) -> Any:
+    """Wrap `model` (built under `layout`) in a DeepSpeed engine with every glm53_ds fix installed.
+
+    `optimizer`: None for AdamW over DeepSpeed's MoE groups (hyperparameters from the config's `optimizer`
+    section when it has one), an optimizer whose groups already separate experts, or a factory that receives
+    the groups. `layout`: the one the model was built under; None for a single process (world 1 is set up
+    when no process group exists). Returns the engine; `engine.glm53_layout` is the layout."""
+    check_version()
+    if layout is None:
+        init_distributed()
+        config: Any = getattr(model, "config", None)
+        ep = getattr(config, "expert_model_parallel_size", 1) or 1
+        etp = getattr(config, "expert_tensor_parallel_size", 1) or 1
+        if dist.get_world_size() > 1 or ep * etp > 1:
+            raise ValueError(
+                f"build_engine: world size {dist.get_world_size()}, EP={ep}, ETP={etp}: pass the layout the model "
+                "was built under (glm53_ds.parallel.init_layout)"
+            )
+        layout = init_layout(1, 1)
+    prepare_model(model, layout)
+    register_expert_groups(layout)
+    config = {k: v for k, v in ds_config.items() if k != "optimizer"}  # the optimizer is built here
+    opt = _optimizer(model, optimizer, ds_config)
+    kept = fp32_masters.capture(model)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=opt, config=config, mpu=DeepSpeedMpu(layout)
+    )
+    fp32_masters.restore(engine, kept)
+    install_gradient_sync(engine, layout)
+    engine.glm53_layout = layout
+    return engine

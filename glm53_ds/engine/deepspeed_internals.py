@@ -1,0 +1,246 @@
+"""Every use of DeepSpeed's private internals, in one place, for the one supported version range.
+
+glm53_ds needs DeepSpeed to do four things it has no public API for (docs/parallelism.md explains each):
+  1. use megatron's EP and expert-data-parallel groups (its own `groups` module would build different ones);
+  2. enable its MoE paths without its MoE layer (a parameter-less marker of its `MoE` type);
+  3. reduce replicated gradients over every replica (the gradient-sync patch: pre-average over ETP) and clip by
+     the norm of the global-batch gradient;
+  4. keep the fp32 masters of HF's fp32-kept parameters unrounded, and load checkpoints whose model files glm53_ds
+     writes itself.
+`PATCHED_SYMBOLS` lists every private symbol touched here; `docs/parallelism.md` carries the same table and
+`tests/test_engine_internals.py` keeps the two equal and checks that no other module touches these symbols.
+`check_version()` refuses a DeepSpeed outside `SUPPORTED` before anything is patched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.moe.layer import MoE
+from deepspeed.utils import groups, safe_get_full_fp32_param, safe_set_full_fp32_param
+from packaging.version import Version
+from torch import nn
+
+from ..parallel.grad_norm import clip_grad_norm
+from ..parallel.layout import ParallelLayout
+from ..parallel.params import is_expert_param, is_sharded_param
+
+SUPPORTED = (
+    Version("0.19.8"),
+    Version("0.20.0"),
+)  # [low, high): the versions these patches were written against
+
+
+@dataclass(frozen=True)
+class PatchedSymbol:
+    symbol: str
+    how: str  # read | written | replaced | wrapped | subclassed | toggled
+    why: str
+
+
+PATCHED_SYMBOLS = (
+    PatchedSymbol("deepspeed.utils.groups._EXPERT_PARALLEL_GROUP", "written",
+                  "megatron's EP group registered under `ep_size_<EP>`"),
+    PatchedSymbol("deepspeed.utils.groups._EXPERT_PARALLEL_GROUP_RANKS", "written", "its ranks"),
+    PatchedSymbol("deepspeed.utils.groups._EXPERT_DATA_PARALLEL_GROUP", "written",
+                  "megatron's expert-data-parallel group: ZeRO partitions expert parameters over it"),
+    PatchedSymbol("deepspeed.utils.groups._EXPERT_DATA_PARALLEL_GROUP_RANKS", "written", "its ranks"),
+    PatchedSymbol("deepspeed.moe.layer.MoE", "subclassed",
+                  "a parameter-less marker (its `__init__` skipped) that turns on the engine's MoE paths"),
+    PatchedSymbol("DeepSpeedEngine._reduce_non_expert_gradients", "wrapped",
+                  "stage 0 / BF16_Optimizer: replicated gradients pre-averaged over ETP first"),
+    PatchedSymbol("DeepSpeedZeroOptimizer.reduce_independent_p_g_buckets_and_remove_grads", "wrapped",
+                  "ZeRO-1/2: the same, per parameter, on every path (overlap_comm, accumulation)"),
+    PatchedSymbol("DeepSpeedEngine.clip_fp32_gradients", "replaced",
+                  "stage 0 fp32: clip by the global-batch norm, not a DP average of per-rank norms"),
+    PatchedSymbol("DeepSpeedEngine._global_grad_norm", "written", "the norm the replacement computed"),
+    PatchedSymbol("BF16_Optimizer.get_grads_for_norm", "wrapped",
+                  "ETP ranks > 0 hold no replicated gradient to count: a zero placeholder"),
+    PatchedSymbol("DeepSpeedEngine.has_moe_layers", "toggled",
+                  "off while DeepSpeed loads a checkpoint: the model files are glm53_ds's own"),
+    PatchedSymbol("param._hp_mapping", "read", "which fp32-master accessor applies (ZeRO-1/2, BF16_Optimizer)"),
+    PatchedSymbol("FP16_Optimizer.fp16_groups", "read", "stage-0 bf16/fp16: find a parameter's master"),
+    PatchedSymbol("FP16_Optimizer.fp32_groups", "written", "stage-0 bf16/fp16: set a parameter's master"),
+)  # fmt: skip
+
+
+def check_version(version: str | None = None) -> None:
+    """Refuse a DeepSpeed these patches were not written for, naming the versions."""
+    found = Version(version or deepspeed.__version__)
+    low, high = SUPPORTED
+    if not low <= found < high:
+        raise RuntimeError(
+            f"glm53_ds patches DeepSpeed internals written for deepspeed >={low},<{high}; found {found} "
+            f"(pip install deepspeed=={low})"
+        )
+
+
+# ----------------------------------------------------------------------------- 1. expert groups
+def register_expert_groups(layout: ParallelLayout) -> None:
+    """megatron's EP / expert-DP groups as DeepSpeed's `ep_size_<EP>` groups (before the engine is built)."""
+    name = layout.expert_group_name
+    groups._EXPERT_PARALLEL_GROUP[name] = layout.ep_group
+    groups._EXPERT_PARALLEL_GROUP_RANKS[name] = dist.get_process_group_ranks(layout.ep_group)
+    groups._EXPERT_DATA_PARALLEL_GROUP[name] = layout.expert_dp_group
+    groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = dist.get_process_group_ranks(layout.expert_dp_group)
+
+
+# ----------------------------------------------------------------------------- 2. the MoE marker
+class DeepSpeedMoEMarker(MoE):
+    """Tells the DeepSpeed engine that the model has MoE layers; holds nothing and never runs.
+
+    Its process groups are the ones `register_expert_groups` registered; DeepSpeed must not create its own."""
+
+    def __init__(self, num_experts: int, ep_size: int, group_name: str) -> None:
+        nn.Module.__init__(self)
+        self.num_experts = num_experts
+        self.ep_size = ep_size
+        self.num_local_experts = num_experts // ep_size
+        self.expert_group_name = group_name
+
+    def set_deepspeed_parallelism(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the DeepSpeed MoE marker is not a layer")
+
+
+# ----------------------------------------------------------------------------- 3. gradient sync and norm
+def _pre_average(tensors: list[torch.Tensor], group: dist.ProcessGroup, size: int) -> None:
+    for t in tensors:
+        dist.all_reduce(t, group=group)
+        t.div_(size)
+
+
+def _install_norm_fixes(engine: Any, layout: ParallelLayout) -> None:
+    """Clipping must use the norm of the global-batch gradient.
+
+    - stage 0 with a plain optimizer: DeepSpeed's `clip_grad_norm_` averages per-rank norms over its data-parallel
+      group, which is not the global norm once experts are split over EP; replaced by `grad_norm.clip_grad_norm`
+      (replicated parameters once, expert shards summed over EP x ETP).
+    - BF16_Optimizer: on ETP ranks other than 0 it has no replicated gradient to count and stacks an empty list;
+      a zero placeholder keeps its (otherwise correct) computation going.
+    ZeRO-1/2 compute the global norm correctly once expert shards carry `tensor_model_parallel` (see
+    `build.prepare_model`); tests/test_expert_parallel.py checks every mode.
+    """
+    optimizer = engine.optimizer
+    expert_group = layout.pg_collection.tp_ep
+    zero = hasattr(optimizer, "reduce_independent_p_g_buckets_and_remove_grads")
+    if not hasattr(optimizer, "get_grads_for_norm") and not zero:
+        if not (engine.fp16_enabled() or engine.bfloat16_enabled()):
+
+            def clip_fp32_gradients() -> None:
+                engine._global_grad_norm = clip_grad_norm(
+                    engine.module, engine.gradient_clipping(), expert_group
+                )
+
+            engine.clip_fp32_gradients = clip_fp32_gradients
+    if hasattr(optimizer, "get_grads_for_norm"):
+        original = optimizer.get_grads_for_norm
+
+        def get_grads_for_norm(for_clipping: bool = False) -> Any:
+            result = original(for_clipping=for_clipping)
+            if not for_clipping and isinstance(result, tuple) and not result[0]:
+                device = next(engine.module.parameters()).device
+                result[0].append(torch.zeros(1, dtype=torch.float32, device=device))
+            return result
+
+        optimizer.get_grads_for_norm = get_grads_for_norm
+
+
+def install_gradient_sync(engine: Any, layout: ParallelLayout) -> bool:
+    """The gradient-sync patch on a built engine; returns True when the ETP pre-averaging was needed.
+
+    Every replicated parameter's reduced gradient must be the mean over all its replicas (the world). DeepSpeed
+    averages over its data-parallel group, which leaves out the ETP peers; each non-expert gradient is therefore
+    pre-averaged over ETP right before DeepSpeed's own reduction:
+        g <- all_reduce(g, ETP) / ETP;   DeepSpeed: g <- all_reduce(g, DP) / DP        => mean over DP x ETP
+    Both are linear and idempotent on ETP-equal values, so it is correct at every call site and with gradient
+    accumulation. Expert and tensor-parallel-sharded parameters are never touched. The clipping-norm fixes are
+    installed in every layout."""
+    if getattr(engine, "glm53_grad_sync", None) is not None:
+        raise RuntimeError("the gradient-sync patch is already installed on this engine")
+    _install_norm_fixes(engine, layout)
+    if layout.etp == 1:
+        engine.glm53_grad_sync = "not needed"
+        return False
+    group, size = layout.etp_group, layout.etp
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "reduce_independent_p_g_buckets_and_remove_grads"):  # ZeRO-1/2
+        original = optimizer.reduce_independent_p_g_buckets_and_remove_grads
+
+        def reduce_param(param: torch.Tensor, i: int) -> Any:
+            if param.grad is not None and not is_expert_param(param) and not is_sharded_param(param):
+                _pre_average([param.grad.data], group, size)
+            return original(param, i)
+
+        optimizer.reduce_independent_p_g_buckets_and_remove_grads = reduce_param
+    else:  # stage 0 and BF16_Optimizer
+        original_reduce = engine._reduce_non_expert_gradients
+
+        def reduce_non_expert(grads: list[torch.Tensor], elements_per_buffer: int) -> Any:
+            _pre_average(grads, group, size)
+            return original_reduce(grads, elements_per_buffer)
+
+        engine._reduce_non_expert_gradients = reduce_non_expert
+    engine.glm53_grad_sync = "installed"
+    return True
+
+
+# ----------------------------------------------------------------------------- 4. checkpoints and fp32 masters
+@contextmanager
+def moe_checkpoint_files_off(engine: Any) -> Iterator[None]:
+    """While DeepSpeed loads a checkpoint: it would look for its own per-expert model files, which glm53_ds does
+    not write (the model comes from glm53_ds's files)."""
+    has_moe = engine.has_moe_layers
+    engine.has_moe_layers = False
+    try:
+        yield
+    finally:
+        engine.has_moe_layers = has_moe
+
+
+def _stage0_master(engine: Any, param: nn.Parameter) -> torch.Tensor | None:
+    optimizer = engine.optimizer
+    for low, high in zip(
+        getattr(optimizer, "fp16_groups", ()), getattr(optimizer, "fp32_groups", ()), strict=False
+    ):
+        for lp, hp in zip(low, high, strict=False):
+            if lp is param:
+                return hp
+    return None
+
+
+def fp32_master_accessors(
+    engine: Any, param: nn.Parameter
+) -> tuple[Callable[[], torch.Tensor | None], Callable[[torch.Tensor], None]] | None:
+    """(get, set) of `param`'s fp32 optimizer master, or None when its optimizer keeps none.
+
+    ZeRO 1/2/3 and BF16_Optimizer through DeepSpeed's public `safe_get/set_full_fp32_param` (get is collective
+    under ZeRO); the stage-0 bf16/fp16 optimizer through its `fp16_groups` / `fp32_groups` pairs."""
+    if hasattr(param, "_hp_mapping") or hasattr(param, "ds_id"):
+
+        def get_zero() -> torch.Tensor | None:
+            return safe_get_full_fp32_param(param)
+
+        def set_zero(value: torch.Tensor) -> None:
+            safe_set_full_fp32_param(param, value)
+
+        return get_zero, set_zero
+    master = _stage0_master(engine, param)
+    if master is None:
+        return None
+
+    def get_stage0() -> torch.Tensor | None:
+        return master
+
+    def set_stage0(value: torch.Tensor) -> None:
+        master.data.copy_(value.reshape(master.shape))
+
+    return get_stage0, set_stage0

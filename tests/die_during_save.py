@@ -1,0 +1,28 @@
+"""`launch/train.py` with a fault for the tests: the save of tag `--die-during-save TAG` dies (exit 17) after its
+replicated files are written and before the expert shards and `latest`, as a killed job would. The rest of argv
+is the trainer's command line. Run through the DeepSpeed launcher like launch/train.py."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from glm53_ds.engine import checkpoint  # noqa: E402
+from glm53_ds.training.trainer import main  # noqa: E402
+
+_at = sys.argv.index("--die-during-save")
+TAG = sys.argv[_at + 1]
+del sys.argv[_at : _at + 2]
+_write_experts = checkpoint._write_experts
+
+
+def _dying_write_experts(layout, root, state, expert_names):  # type: ignore[no-untyped-def]
+    if os.path.basename(os.path.dirname(root)) == TAG:  # root is <save>/<tag>/glm53
+        os._exit(17)
+    return _write_experts(layout, root, state, expert_names)
+
+
+checkpoint._write_experts = _dying_write_experts
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""The one DeepSpeed engine builder: version check, the list of patched private symbols (kept equal to the table in
+docs/parallelism.md, and touched nowhere else), and `glm53_ds.build_engine` on a world of one."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+import glm53_ds
+from glm53_ds.config import Glm53Config
+from glm53_ds.engine import deepspeed_internals
+from tests.model_fixtures import CONFIG_A
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INTERNALS = os.path.join(ROOT, "glm53_ds", "engine", "deepspeed_internals.py")
+
+
+def _doc_table() -> list[tuple[str, str]]:
+    """(symbol, how) rows of the patched-symbols table in docs/parallelism.md."""
+    text = open(os.path.join(ROOT, "docs", "parallelism.md"), encoding="utf-8").read()
+    section = text.split("## DeepSpeed internals", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `([^`]+)` \| (\w+) \|", section, flags=re.M)
+
+
+def test_patched_symbols_table_matches_the_docs():
+    listed = [(s.symbol, s.how) for s in deepspeed_internals.PATCHED_SYMBOLS]
+    assert _doc_table() == listed
+
+
+def test_no_other_module_touches_the_patched_symbols():
+    names = {s.symbol.rsplit(".", 1)[-1] for s in deepspeed_internals.PATCHED_SYMBOLS}
+    names.discard("MoE")  # a common word; its import is checked below
+    offenders = []
+    for directory, _, files in os.walk(os.path.join(ROOT, "glm53_ds")):
+        for name in files:
+            path = os.path.join(directory, name)
+            if not name.endswith(".py") or path == INTERNALS:
+                continue
+            text = open(path, encoding="utf-8").read()
+            offenders += [
+                f"{os.path.relpath(path, ROOT)}: {n}"
+                for n in sorted(names)
+                if re.search(rf"(?<![A-Za-z0-9]){re.escape(n)}\b", text)
+            ]
+            if "deepspeed.moe.layer" in text:
+                offenders.append(f"{os.path.relpath(path, ROOT)}: deepspeed.moe.layer")
+    assert offenders == []
+    # and every listed symbol is really used there
+    source = open(INTERNALS, encoding="utf-8").read().split("PATCHED_SYMBOLS = (", 1)[1].split("\n)", 1)[1]
+    assert all(s.symbol.rsplit(".", 1)[-1] in source for s in deepspeed_internals.PATCHED_SYMBOLS)
+
+
+@pytest.mark.parametrize("version", ["0.18.9", "0.20.0", "1.0.0"])
+def test_unsupported_deepspeed_is_refused(version):
+    with pytest.raises(RuntimeError, match=rf"deepspeed >=0\.19\.8,<0\.20\.0; found {re.escape(version)}"):
+        deepspeed_internals.check_version(version)
+    deepspeed_internals.check_version("0.19.8")
+
+
+def test_build_engine_on_a_world_of_one():
+    """`glm53_ds.build_engine(model, ds_config)` with no layout: world 1 set up, AdamW over DeepSpeed's MoE groups
+    (hyperparameters from the config's optimizer section), the patches installed, a step that trains."""
+    model = glm53_ds.build_model(Glm53Config.from_text_dict(CONFIG_A), mtp=False)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    engine = glm53_ds.build_engine(model, ds_config)
+    assert engine.glm53_layout.world_size == 1 and engine.glm53_grad_sync == "not needed"
+    assert isinstance(engine.optimizer, torch.optim.AdamW)
+    groups = engine.optimizer.param_groups
+    assert {g["lr"] for g in groups} == {1e-3} and len(groups) == 2  # non-expert + one expert group
+    assert all(
+        g.get("moe", False) == all(getattr(p, "allreduce", True) is False for p in g["params"])
+        for g in groups
+    )
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = torch.randint(1, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    loss = engine(ids, labels=ids)
+    engine.backward(loss)
+    engine.step()
+    assert torch.isfinite(loss)
+    moved = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    assert any("experts" in n for n in moved) and any("self_attention" in n for n in moved)
+
+
+def test_an_optimizer_mixing_experts_and_replicas_is_refused():
+    model = glm53_ds.build_model(Glm53Config.from_text_dict(CONFIG_A), mtp=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="param group 0 mixes expert and non-expert parameters"):
+        glm53_ds.build_engine(model, {"train_micro_batch_size_per_gpu": 1}, optimizer=optimizer)
