@@ -17,7 +17,8 @@ _write_experts = checkpoint._write_experts
 
 
 def _dying_write_experts(layout, root, state, expert_names):  # type: ignore[no-untyped-def]
-    if os.path.basename(os.path.dirname(root)) == TAG:  # root is <save>/<tag>/glm53
+    tag_dir = os.path.basename(os.path.dirname(root))  # root is <save>/<tag being written>/glm53
+    if tag_dir == TAG or tag_dir.startswith(f".{TAG}.tmp-"):
         os._exit(17)
     return _write_experts(layout, root, state, expert_names)
 

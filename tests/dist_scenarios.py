@@ -356,9 +356,13 @@ def bf16_keeps_fp32(ckpt: str, ep: int, etp: int, save_dir: str) -> dict[str, An
         out[f"stage{stage}_full_load"] = _max_diff(fp32_masters.gather(resumed), masters)
         dist.barrier()
         if layout.rank == 0:  # the same files as a model-only checkpoint (what the converter writes)
+            from glm53_ds.safe_io import describe_files, read_manifest, write_manifest
+
             meta_path = os.path.join(directory, "step2", "glm53", "layout.json")
             meta = json.load(open(meta_path))
             json.dump({**meta, "model_only": True}, open(meta_path, "w"))
+            tag_dir = os.path.join(directory, "step2")
+            write_manifest(tag_dir, read_manifest(tag_dir) | describe_files(tag_dir, ["glm53/layout.json"]))
         dist.barrier()
         fresh, _ = engine_for(restore=False)
         load_checkpoint(fresh, directory, "step2")

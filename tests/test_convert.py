@@ -75,7 +75,7 @@ def test_cli_and_existing_output(hf_with_mtp, tmp_path):
                           cwd=ROOT, capture_output=True).returncode == 0  # fmt: skip
     proc = subprocess.run([*run, "hf-to-native", "--hf-dir", str(hf_with_mtp), "--out", native], cwd=ROOT,
                           capture_output=True, text=True)  # fmt: skip
-    assert proc.returncode == 2 and "exists; refusing to overwrite (use --force)" in proc.stderr
+    assert proc.returncode == 2 and "exists and is not empty; refusing to overwrite" in proc.stderr
     assert subprocess.run([*run, "native-to-hf", "--ckpt", native, "--out", hf2, "--hf-template", str(hf_with_mtp)],
                           cwd=ROOT, capture_output=True).returncode == 0  # fmt: skip
     proc = subprocess.run([*run, "verify", "--hf-dir", str(hf_with_mtp), "--ckpt", native], cwd=ROOT,

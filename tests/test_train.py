@@ -193,8 +193,9 @@ def test_readme_main_job_command_lowers_loss(tmp_path):
 def test_router_bias_rate_defaults_by_preset(tmp_path):
     from glm53_ds.training.args import build_parser
     from glm53_ds.training.config import TrainConfig
+    from glm53_ds.training.presets import tiny
 
-    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text(json.dumps(tiny().to_text_dict()))
 
     def rate(*argv: str) -> float:
         return TrainConfig.from_args(build_parser().parse_args(list(argv))).router_bias_update_rate
@@ -251,7 +252,7 @@ def test_start_from_released_weights_under_ep2(tmp_path, source):
     losses = []
     with torch.no_grad():
         for rank in range(2):
-            batch = stream.batch(0, 0, rank, 2, 2, 1)
+            batch = stream.batch(0, 0, rank, 2, 2)
             parts = model(batch[:, :-1], labels=batch[:, :-1], next_tokens=batch[:, -1:], return_parts=True)
             losses.append(parts.lm.item())
     assert abs(logged["lm_loss"] - sum(losses) / 2) <= 1e-5 * logged["lm_loss"], (logged, losses)

@@ -16,11 +16,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from ..config import Glm53Config
 from ..model import Glm53Model, build_model
 from ..parallel.expert_shard import DOWN, ExpertShard, expert_tensor_kind
-from .import_hf import HFSource
+from ..safe_io import check_output_dir, staged_dir
+from .import_hf import ConversionError, HFSource
 from .names import Placement, released_layout
 from .native_format import DEFAULT_SHARD_BYTES, ShardReader, ShardWriter, expert_set_name, read_layout
 
@@ -109,35 +111,56 @@ class NativeCheckpoint:
                     tie_word_embeddings=self.cfg.tie_word_embeddings, dtype="float32")  # fmt: skip
 
 
+# Files of a released directory that travel with an export: tokenizer and generation settings.
+COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")  # fmt: skip
+# Config fields a training run may change on purpose (the export's config.json carries the run's values).
+RUN_FIELDS = frozenset({"mtp_loss_weight", "num_nextn_predict_layers"})
+
+
+def check_template(native: NativeCheckpoint, hf_template: str) -> None:
+    """Refuse a template of another model: its text config must equal the checkpoint's (run fields aside)."""
+    try:
+        theirs = Glm53Config.from_hf(hf_template).to_text_dict()
+    except (OSError, ValueError) as e:
+        raise ConversionError(f"--hf-template {hf_template!r}: {e}") from e
+    ours = native.cfg.to_text_dict()
+    differ = sorted(
+        k for k in set(ours) | set(theirs) if k not in RUN_FIELDS and ours.get(k) != theirs.get(k)
+    )
+    if differ:
+        shown = ", ".join(f"{k}: checkpoint {ours.get(k)!r}, template {theirs.get(k)!r}" for k in differ[:8])
+        raise ConversionError(f"--hf-template {hf_template!r} is another model than {native.root}: {shown}")
+
+
 def native_to_hf(
     ckpt: str, out: str, hf_template: str | None = None, force: bool = False,
     shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = False,
 ) -> str:  # fmt: skip
-    if os.path.exists(out) and not force:
-        raise FileExistsError(f"{out!r} exists; refusing to overwrite (use --force)")
+    """Write `out` whole (built under a temporary name, removed on failure). An existing non-empty `out` is
+    refused without `force`; with it only the files the export writes are replaced, nothing is deleted."""
     native = NativeCheckpoint(ckpt)
-    tmp = f"{out.rstrip('/')}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    writer = ShardWriter(tmp, "model", shard_bytes, index_file="model.safetensors.index.json")
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(desc="export", unit="tensor")
-    for name, tensor in native.released():
-        writer.add(name, tensor)
-        if bar is not None:
-            bar.update(1)
+    check_output_dir(out, "--out", force=force, inputs={"--ckpt": ckpt, "--hf-template": hf_template})
     if hf_template:
-        source = HFSource(hf_template)
-        for name in source.weight_map:
-            if name.startswith(("model.visual.", "visual.")):
-                writer.add(name, source.raw(name))  # unchanged, bytes and dtype
-    writer.close()
-    native.write_hf_config(os.path.join(tmp, "config.json"), hf_template)
-    if os.path.exists(out):
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+        check_template(native, hf_template)
+    with staged_dir(out) as tmp:
+        writer = ShardWriter(tmp, "model", shard_bytes, index_file="model.safetensors.index.json")
+        bar = tqdm(desc="export", unit="tensor") if progress else None
+        for name, tensor in native.released():
+            writer.add(name, tensor)
+            if bar is not None:
+                bar.update(1)
+        if hf_template:
+            source = HFSource(hf_template)
+            for name in source.weight_map:
+                if name.startswith(("model.visual.", "visual.")):
+                    writer.add(name, source.raw(name))  # unchanged, bytes and dtype
+        writer.close()
+        native.write_hf_config(os.path.join(tmp, "config.json"), hf_template)
+        for name in COMPANION_FILES if hf_template else ():
+            if os.path.isfile(os.path.join(hf_template, name)):  # type: ignore[arg-type]
+                shutil.copyfile(os.path.join(hf_template, name), os.path.join(tmp, name))  # type: ignore[arg-type]
     return out
 
 

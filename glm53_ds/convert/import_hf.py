@@ -16,10 +16,19 @@ import shutil
 from collections.abc import Callable, Iterator
 
 import torch
+from tqdm import tqdm
 
 from ..config import Glm53Config
 from ..model import build_model
 from ..parallel.expert_shard import GATE_UP, ExpertShard, expert_tensor_kind
+from ..safe_io import (
+    atomic_write_text,
+    check_output_dir,
+    describe_files,
+    list_files,
+    staged_dir,
+    write_manifest,
+)
 from .fp8 import dequantize_fp8, is_fp8_scale_name
 from .names import (
     Placement,
@@ -174,8 +183,7 @@ def hf_to_native(
             f"--ep {ep}" if not isinstance(ep, int) or ep < 1 or cfg.n_routed_experts % ep else f"--etp {etp}"
         )
         raise ConversionError(f"{option}: {error}") from error
-    if os.path.exists(out) and not force:
-        raise FileExistsError(f"{out!r} exists; refusing to overwrite (use --force)")
+    check_output_dir(out, "--out", force=force, inputs={"--hf-dir": hf_dir})
     source = HFSource(hf_dir, fp8_dtype=dtype or torch.bfloat16)
     available = source.released_names(cfg)
     mtp = cfg.num_nextn_predict_layers > 0 and any(is_mtp_name(n, cfg) for n in available)
@@ -198,89 +206,86 @@ def hf_to_native(
             f"{hf_dir}: shape mismatch for {len(mismatched)} tensor(s): " + "; ".join(mismatched[:20])
         )
 
-    tmp = f"{out.rstrip('/')}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    root = os.path.join(tmp, NATIVE_TAG, "glm53")
-    bar = _progress(len(layout), progress)
+    with staged_dir(out) as tmp:  # built under a temporary name, removed on failure
+        root = os.path.join(tmp, NATIVE_TAG, "glm53")
+        bar = _progress(len(layout), progress)
 
-    def convert(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        def convert(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
-    # replicated tensors: group released pieces by native key (fused dense fc1 = gate + up)
-    by_native: dict[str, list[tuple[str, Placement]]] = {}
-    for released, placements in layout.items():
-        for p in placements:
-            by_native.setdefault(p.native, []).append((released, p))
-    writer = ShardWriter(root, "replicated", shard_bytes)
-    for native, pieces in by_native.items():
-        if expert_tensor_kind(native):
-            continue
-        if len(pieces) == 1 and not pieces[0][1].index:
-            tensor = source.read_released(pieces[0][0], available[pieces[0][0]], cfg)
-        else:
-            tensor = torch.cat([source.read_released(r, available[r], cfg) for r, _ in pieces])
-        writer.add(native, convert(tensor))
-        bar(len(pieces))
-    writer.close()
-
-    # expert shards
-    expert_natives = [n for n in by_native if expert_tensor_kind(n)]
-    # native expert tensor -> expert -> {"gate_proj" | "up_proj" | "down_proj": released name}
-    expert_sources: dict[str, dict[int, dict[str, str]]] = {}
-    for native in expert_natives:
-        for released, p in by_native[native]:
-            expert = p.index[0]
-            assert isinstance(expert, int)
-            expert_sources.setdefault(native, {}).setdefault(expert, {})[released.rsplit(".", 2)[1]] = (
-                released
-            )
-
-    def read(released: str) -> torch.Tensor:
-        return source.read_released(released, available[released], cfg)
-
-    for shard in layout_shard.all_shards():
-        writer = ShardWriter(root, expert_set_name(shard.ep_rank, shard.etp_rank), shard_bytes)
-        for native in expert_natives:
-            gate_up = expert_tensor_kind(native) == GATE_UP
-            stacked: torch.Tensor | None = None  # this shard's stacked experts, filled in place
-            for i, e in enumerate(shard.local_experts):
-                names = expert_sources[native][e]  # "gate_proj"/"up_proj" or "down_proj" -> released name
-                if gate_up:
-                    for kind in ("gate_proj", "up_proj"):
-                        piece = shard.slice_gate(read(names[kind]))
-                        if stacked is None:
-                            stacked = piece.new_empty(
-                                (shard.num_local, 2 * shard.local_intermediate, piece.shape[1])
-                            )
-                        stacked[i, shard.gate_up_rows(kind)] = piece
-                        del piece
-                else:
-                    piece = shard.slice_down(read(names["down_proj"]))
-                    if stacked is None:
-                        stacked = piece.new_empty((shard.num_local, piece.shape[0], shard.local_intermediate))
-                    stacked[i] = piece
-                    del piece
-            assert stacked is not None
-            writer.add(native, convert(stacked))
-            del stacked
-            if shard.etp_rank == 0:
-                bar(shard.num_local * (2 if gate_up else 1))
+        # replicated tensors: group released pieces by native key (fused dense fc1 = gate + up)
+        by_native: dict[str, list[tuple[str, Placement]]] = {}
+        for released, placements in layout.items():
+            for p in placements:
+                by_native.setdefault(p.native, []).append((released, p))
+        writer = ShardWriter(root, "replicated", shard_bytes)
+        for native, pieces in by_native.items():
+            if expert_tensor_kind(native):
+                continue
+            if len(pieces) == 1 and not pieces[0][1].index:
+                tensor = source.read_released(pieces[0][0], available[pieces[0][0]], cfg)
+            else:
+                tensor = torch.cat([source.read_released(r, available[r], cfg) for r, _ in pieces])
+            writer.add(native, convert(tensor))
+            bar(len(pieces))
         writer.close()
 
-    write_layout(root, dict(ep=ep, etp=etp, world_size=None, model_only=True, config=cfg.to_text_dict()))
-    shutil.copyfile(os.path.join(hf_dir, "config.json"), os.path.join(root, "hf_config.json"))
-    with open(os.path.join(tmp, "latest"), "w", encoding="utf-8") as f:
-        f.write(NATIVE_TAG)
-    if os.path.exists(out):
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+        # expert shards
+        expert_natives = [n for n in by_native if expert_tensor_kind(n)]
+        # native expert tensor -> expert -> {"gate_proj" | "up_proj" | "down_proj": released name}
+        expert_sources: dict[str, dict[int, dict[str, str]]] = {}
+        for native in expert_natives:
+            for released, p in by_native[native]:
+                expert = p.index[0]
+                assert isinstance(expert, int)
+                expert_sources.setdefault(native, {}).setdefault(expert, {})[released.rsplit(".", 2)[1]] = (
+                    released
+                )
+
+        def read(released: str) -> torch.Tensor:
+            return source.read_released(released, available[released], cfg)
+
+        for shard in layout_shard.all_shards():
+            writer = ShardWriter(root, expert_set_name(shard.ep_rank, shard.etp_rank), shard_bytes)
+            for native in expert_natives:
+                gate_up = expert_tensor_kind(native) == GATE_UP
+                stacked: torch.Tensor | None = None  # this shard's stacked experts, filled in place
+                for i, e in enumerate(shard.local_experts):
+                    names = expert_sources[native][e]  # "gate_proj"/"up_proj" or "down_proj" -> released name
+                    if gate_up:
+                        for kind in ("gate_proj", "up_proj"):
+                            piece = shard.slice_gate(read(names[kind]))
+                            if stacked is None:
+                                stacked = piece.new_empty(
+                                    (shard.num_local, 2 * shard.local_intermediate, piece.shape[1])
+                                )
+                            stacked[i, shard.gate_up_rows(kind)] = piece
+                            del piece
+                    else:
+                        piece = shard.slice_down(read(names["down_proj"]))
+                        if stacked is None:
+                            stacked = piece.new_empty(
+                                (shard.num_local, piece.shape[0], shard.local_intermediate)
+                            )
+                        stacked[i] = piece
+                        del piece
+                assert stacked is not None
+                writer.add(native, convert(stacked))
+                del stacked
+                if shard.etp_rank == 0:
+                    bar(shard.num_local * (2 if gate_up else 1))
+            writer.close()
+
+        write_layout(root, dict(ep=ep, etp=etp, world_size=None, model_only=True, config=cfg.to_text_dict()))
+        shutil.copyfile(os.path.join(hf_dir, "config.json"), os.path.join(root, "hf_config.json"))
+        tag_dir = os.path.join(tmp, NATIVE_TAG)
+        write_manifest(tag_dir, describe_files(tag_dir, list_files(tag_dir)))  # what --load verifies first
+        atomic_write_text(os.path.join(tmp, "latest"), NATIVE_TAG)
     return out
 
 
 def _progress(total: int, enabled: bool) -> Callable[..., object]:
     if not enabled:
         return lambda n=1: None
-    from tqdm import tqdm
-
     bar = tqdm(total=total, desc="convert", unit="tensor")
     return lambda n=1: bar.update(n)

@@ -1,4 +1,9 @@
-"""Compare a released HF checkpoint with a native one, tensor by tensor (max absolute difference table)."""
+"""Compare a released HF checkpoint with a native one, tensor by tensor (max absolute difference table).
+
+Both tensor sets are compared whole: a released tensor the native checkpoint lacks (its MTP layer stripped, say)
+and a text tensor only the HF directory has are reported as rows and fail the check, as a difference does.
+Vision tensors (not part of the text model) are not compared.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +13,31 @@ import torch
 
 from .export_hf import NativeCheckpoint
 from .import_hf import HFSource
+from .names import released_layout
 
 
 def verify(hf_dir: str, ckpt: str, out: Callable[..., object] = print) -> float:
-    """Print one row per released tensor; returns the largest difference (inf for a missing tensor)."""
+    """Print one row per released tensor; returns the largest difference (inf for a missing or extra tensor)."""
     native = NativeCheckpoint(ckpt)
     source = HFSource(hf_dir, fp8_dtype=torch.float32)
-    available = source.released_names(native.cfg)
+    cfg = native.cfg
+    available = source.released_names(cfg)
+    layout = released_layout(cfg, mtp=native.mtp)
     worst = 0.0
     out(f"{'tensor':<80} {'shape':>20} {'max |diff|':>12}")
-    for name, tensor in native.released():
+    for name, placements in layout.items():
         if name not in available:
-            out(f"{name:<80} {'-':>20} {'missing':>12}")
+            out(f"{name:<80} {'-':>20} {'not in HF':>12}")
             worst = float("inf")
             continue
-        ref = source.read_released(name, available[name], native.cfg)
+        try:
+            pieces = [native.read(p) for p in placements]
+        except (KeyError, FileNotFoundError):
+            out(f"{name:<80} {'-':>20} {'not native':>12}")
+            worst = float("inf")
+            continue
+        tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        ref = source.read_released(name, available[name], cfg)
         if ref.shape != tensor.shape:
             out(f"{name:<80} {str(tuple(ref.shape)) + '!=' + str(tuple(tensor.shape)):>20} {'shape':>12}")
             worst = float("inf")
@@ -30,5 +45,8 @@ def verify(hf_dir: str, ckpt: str, out: Callable[..., object] = print) -> float:
         diff = (ref.double() - tensor.double()).abs().max().item() if ref.numel() else 0.0
         worst = max(worst, diff)
         out(f"{name:<80} {str(tuple(ref.shape)):>20} {diff:>12.3g}")
+    for name in sorted(set(available) - set(layout)):
+        out(f"{name:<80} {'-':>20} {'only in HF':>12}")
+        worst = float("inf")
     out(f"max difference: {worst:.3g}")
     return worst

@@ -5,8 +5,8 @@ glm53_ds needs DeepSpeed to do four things it has no public API for (docs/parall
   2. enable its MoE paths without its MoE layer (a parameter-less marker of its `MoE` type);
   3. reduce replicated gradients over every replica (the gradient-sync patch: pre-average over ETP) and clip by
      the norm of the global-batch gradient;
-  4. keep the fp32 masters of HF's fp32-kept parameters unrounded, and load checkpoints whose model files glm53_ds
-     writes itself.
+  4. keep the fp32 masters of HF's fp32-kept parameters unrounded, load checkpoints whose model files glm53_ds
+     writes itself, and load its pickled files without running code (`weights_only_loads`).
 `PATCHED_SYMBOLS` lists every private symbol touched here; `docs/parallelism.md` carries the same table and
 `tests/test_engine_internals.py` keeps the two equal and checks that no other module touches these symbols.
 `check_version()` refuses a DeepSpeed outside `SUPPORTED` before anything is patched.
@@ -14,6 +14,8 @@ glm53_ds needs DeepSpeed to do four things it has no public API for (docs/parall
 
 from __future__ import annotations
 
+import os
+import pickle
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,7 +25,10 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.moe.layer import MoE
+from deepspeed.runtime.fp16.loss_scaler import LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils import groups, safe_get_full_fp32_param, safe_set_full_fp32_param
+from deepspeed.utils.tensor_fragment import fragment_address
 from packaging.version import Version
 from torch import nn
 
@@ -31,10 +36,9 @@ from ..parallel.grad_norm import clip_grad_norm
 from ..parallel.layout import ParallelLayout
 from ..parallel.params import is_expert_param, is_sharded_param
 
-SUPPORTED = (
-    Version("0.19.8"),
-    Version("0.20.0"),
-)  # [low, high): the versions these patches were written against
+# [low, high): the versions these patches were written against
+SUPPORTED = (Version("0.19.8"), Version("0.20.0"))
+FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # torch: weights_only even where False is passed
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,11 @@ PATCHED_SYMBOLS = (
     PatchedSymbol("param._hp_mapping", "read", "which fp32-master accessor applies (ZeRO-1/2, BF16_Optimizer)"),
     PatchedSymbol("FP16_Optimizer.fp16_groups", "read", "stage-0 bf16/fp16: find a parameter's master"),
     PatchedSymbol("FP16_Optimizer.fp32_groups", "written", "stage-0 bf16/fp16: set a parameter's master"),
+    PatchedSymbol("deepspeed.runtime.fp16.loss_scaler.LossScaler", "allowlisted",
+                  "plain data in ZeRO optimizer files: may be unpickled by weights_only loads"),
+    PatchedSymbol("deepspeed.runtime.zero.config.ZeroStageEnum", "allowlisted", "an enum in ZeRO optimizer files"),
+    PatchedSymbol("deepspeed.utils.tensor_fragment.fragment_address", "allowlisted",
+                  "a dataclass in ZeRO / BF16_Optimizer files"),
 )  # fmt: skip
 
 
@@ -194,6 +203,27 @@ def install_gradient_sync(engine: Any, layout: ParallelLayout) -> bool:
 
 
 # ----------------------------------------------------------------------------- 4. checkpoints and fp32 masters
+@contextmanager
+def weights_only_loads() -> Iterator[None]:
+    """Every `torch.load` inside reads tensors and plain data only, also DeepSpeed's own, which passes
+    `weights_only=False` (TORCH_FORCE_WEIGHTS_ONLY_LOAD overrides it): a pickled object that would run code is
+    refused with one message naming the file, and nothing from it runs."""
+    previous = os.environ.get(FORCE_WEIGHTS_ONLY)
+    os.environ[FORCE_WEIGHTS_ONLY] = "1"
+    try:
+        # the only classes DeepSpeed 0.19 writes into its files besides tensors and containers: plain data
+        with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+            yield
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"refused to load a checkpoint file holding pickled objects other than tensors and plain "
+                         f"data (nothing from it was run): {str(e).splitlines()[0]}") from e  # fmt: skip
+    finally:
+        if previous is None:
+            os.environ.pop(FORCE_WEIGHTS_ONLY, None)
+        else:
+            os.environ[FORCE_WEIGHTS_ONLY] = previous
+
+
 @contextmanager
 def moe_checkpoint_files_off(engine: Any) -> Iterator[None]:
     """While DeepSpeed loads a checkpoint: it would look for its own per-expert model files, which glm53_ds does

@@ -56,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--save-interval", type=int, help="steps between saves (0: only at the end)")
     c.add_argument("--load", help="resume from this checkpoint directory (its 'latest' tag)")
     c.add_argument("--load-tag", help="resume from this tag instead of 'latest' (e.g. step300)")
-    c.add_argument("--export-hf", help="write a transformers-loadable directory at the end")
+    c.add_argument("--export-hf", help="write a transformers-loadable directory at the end (with --hf-dir's "
+                   "tokenizer files); refused if it exists and is not empty, unless --force")  # fmt: skip
+    c.add_argument("--force", action="store_true", help="let --export-hf write into an existing non-empty directory: "
+                   "the files it writes replace their namesakes, nothing is deleted")  # fmt: skip
     c.add_argument("--output-dir", help="metrics.jsonl and loss.png (default: runs/<model>)")
     c.add_argument("--check-replicas-interval", type=int, help="also before every save")
     c.add_argument("--log-interval", type=int)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 from dataclasses import dataclass
 
+from ..safe_io import OutputPathError, check_output_dir
 from .presets import DEFAULT_ROUTER_BIAS_UPDATE_RATE, PRESET_ROUTER_BIAS_UPDATE_RATE, PRESETS
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -58,6 +60,9 @@ class TrainConfig:
     load: str | None = None
     load_tag: str | None = None
     export_hf: str | None = None
+    force: bool = (
+        False  # --export-hf may write into an existing non-empty directory (replacing only its files)
+    )
     output_dir: str = os.path.join("runs", "tiny")
     check_replicas_interval: int = 0
     log_interval: int = 10
@@ -88,6 +93,7 @@ class TrainConfig:
             if getattr(args, f.name, None) is not None
         }
         given["no_mtp"] = bool(getattr(args, "no_mtp", False))
+        given["force"] = bool(getattr(args, "force", False))
         hf_dir, model_config = given.get("hf_dir"), given.get("model_config")
         preset = (
             None if hf_dir or (model_config and model_config not in PRESETS) else (model_config or "tiny")
@@ -134,10 +140,56 @@ class TrainConfig:
             raise SetupError(
                 f"--model-config {self.model_config!r}: not a file and not a preset {sorted(PRESETS)}"
             )
+        for option, path in (("--hf-dir", self.hf_dir and os.path.join(self.hf_dir, "config.json")),
+                             ("--model-config", self.preset is None and not self.hf_dir and self.model_config)):  # fmt: skip
+            if path:
+                check_model_config_file(option, path)
         if self.load:
-            tag_ok = self.load_tag and os.path.isdir(os.path.join(self.load, self.load_tag))
-            if not tag_ok and not os.path.isfile(os.path.join(self.load, "latest")):
-                what = f"tag {self.load_tag!r}" if self.load_tag else "the file 'latest'"
-                raise SetupError(f"--load {self.load!r}: no checkpoint there ({what} is missing)")
+            if self.load_tag:
+                if not os.path.isdir(os.path.join(self.load, self.load_tag)):
+                    raise SetupError(
+                        f"--load {self.load!r}: no checkpoint there (tag {self.load_tag!r} is missing)"
+                    )
+            elif not os.path.isfile(os.path.join(self.load, "latest")):
+                raise SetupError(f"--load {self.load!r}: no checkpoint there (the file 'latest' is missing)")
         if self.deepspeed_config and not os.path.isfile(self.deepspeed_config):
             raise SetupError(f"--deepspeed_config {self.deepspeed_config!r}: no such file")
+        self.check_output_paths()
+
+    def check_output_paths(self) -> None:
+        """Where this run writes, checked before any work (safe_io.check_output_dir): nothing it writes may land
+        in an input, the checkout, `.`, or over a non-empty export target without --force."""
+        inputs = {"--hf-dir": self.hf_dir, "--load": self.load}
+        try:
+            if self.export_hf:
+                check_output_dir(self.export_hf, "--export-hf", force=self.force, inputs=inputs,
+                                 outputs={"--save": self.save, "--output-dir": self.output_dir})  # fmt: skip
+            if (
+                self.save
+            ):  # a checkpoint directory accumulates tags; resuming in place (--load = --save) is fine
+                check_output_dir(self.save, "--save", may_exist=True, inputs={k: v for k, v in inputs.items()
+                                                                              if k != "--load"})  # fmt: skip
+            check_output_dir(self.output_dir, "--output-dir", may_exist=True,
+                             inputs={"--hf-dir": self.hf_dir, "--load": self.load})  # fmt: skip
+        except OutputPathError as e:
+            raise SetupError(str(e)) from e
+
+
+# Keys a config.json must give (transformers would fall back to the released sizes without a word).
+REQUIRED_CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def check_model_config_file(option: str, path: str) -> None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise SetupError(f"{option}: {path}:{e.lineno}: not valid JSON ({e.msg})") from e
+    text = raw.get("text_config", raw) if isinstance(raw, dict) else None
+    if not isinstance(text, dict):
+        raise SetupError(f"{option}: {path}: expected a JSON object")
+    missing = [k for k in REQUIRED_CONFIG_KEYS if k not in text]
+    if missing:
+        raise SetupError(
+            f"{option}: {path} does not give {', '.join(missing)} (refusing to assume the released sizes)"
+        )

@@ -12,7 +12,8 @@ Document boundaries: documents are concatenated into one token stream with an en
 a training sample is any window of `seq_length + 1` consecutive tokens of that stream, so a sample may span a
 boundary, and attention is not reset there (as in megatron's GPT dataset). Samples are non-overlapping windows,
 visited in a permutation fixed by the seed (re-shuffled every epoch with seed + epoch); the position in that
-order is the step number, so a resumed run reads exactly the samples the uninterrupted run would have.
+order is the number of samples consumed (stored in checkpoints), so a resumed run reads exactly the samples the
+uninterrupted run would have, at any world size, EP or ETP.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+
+from ..safe_io import atomic_write_text
 
 BYTE_EOD, BYTE_PAD = 256, 257
 
@@ -68,8 +71,11 @@ def _documents(path: str) -> Iterator[str]:
         with open(path, encoding="utf-8") as f:
             for i, line in enumerate(f, 1):
                 if line.strip():
-                    doc = json.loads(line)
-                    if "text" not in doc:
+                    try:
+                        doc = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{i}: not a JSON line ({e.msg} at column {e.colno})") from e
+                    if not isinstance(doc, dict) or "text" not in doc:
                         raise ValueError(f"{path}:{i}: a jsonl document needs a 'text' field")
                     yield doc["text"]
     else:
@@ -115,23 +121,33 @@ def resolve_dataset(
 
 
 class SampleStream:
-    """Non-overlapping windows of `seq_length + 1` tokens over the concatenated documents, in seeded order."""
+    """Non-overlapping windows of `seq_length + 1` tokens over the concatenated documents, in seeded order.
+
+    The indexed dataset's `.bin` is the documents' tokens back to back, so the stream is that file mapped
+    read-only: no copy, and a rank's memory does not grow with the corpus. Token ids are checked against the
+    vocabulary once per dataset file (chunked reads, the result cached beside it) and again per sample."""
 
     def __init__(self, prefix: str, seq_length: int, seed: int, vocab_size: int) -> None:
-        dataset = IndexedDataset(prefix)
-        self.tokens = np.concatenate([np.asarray(dataset[i]) for i in range(len(dataset))]).astype(np.int64)
-        self.seq_length, self.seed = seq_length, seed
+        index = IndexedDataset(prefix).index
+        self.dtype = np.dtype(index.dtype)
+        self.tokens = np.memmap(prefix + ".bin", dtype=self.dtype, mode="r")
+        self.seq_length, self.seed, self.vocab_size, self.prefix = seq_length, seed, vocab_size, prefix
         self.num_samples = (len(self.tokens) - 1) // seq_length
         if self.num_samples < 1:
             raise ValueError(
                 f"--data {prefix!r} has {len(self.tokens)} tokens, fewer than one sample of --seq-length {seq_length} + 1"
             )
-        top = int(self.tokens.max())
+        top = max_token_id(prefix + ".bin", self.dtype)
         if top >= vocab_size:
             raise ValueError(
                 f"--data {prefix!r} contains token id {top}, outside the model's vocab_size {vocab_size}"
             )
         self._epoch, self._order = -1, np.empty(0, dtype=np.int64)
+
+    @property
+    def identity(self) -> dict[str, object]:
+        """What fixes the sample order (a resume with other values would re-read or skip samples)."""
+        return {"tokens": int(len(self.tokens)), "seq_length": self.seq_length, "seed": self.seed}
 
     def _order_for(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:
@@ -143,13 +159,39 @@ class SampleStream:
         """The `index`-th sample of the run ([seq_length + 1] int64), cycling epochs."""
         epoch, pos = divmod(index, self.num_samples)
         start = int(self._order_for(epoch)[pos]) * self.seq_length
-        return torch.from_numpy(self.tokens[start : start + self.seq_length + 1].copy())
+        return torch.from_numpy(np.array(self.tokens[start : start + self.seq_length + 1], dtype=np.int64))
 
-    def batch(self, step: int, micro: int, rank: int, world: int, micro_batch: int, gas: int) -> torch.Tensor:
-        """This rank's micro-batch [micro_batch, seq_length + 1]: the global batch of `step` is samples
-        [step*G, (step+1)*G) with G = micro_batch * gas * world, laid out micro-step, then rank, then row."""
-        base = step * micro_batch * gas * world + (micro * world + rank) * micro_batch
+    def batch(self, consumed: int, micro: int, rank: int, world: int, micro_batch: int) -> torch.Tensor:
+        """This rank's micro-batch [micro_batch, seq_length + 1] of the global batch that starts after `consumed`
+        samples: laid out micro-step, then rank, then row, so a global batch is the same samples at any world size."""
+        base = consumed + (micro * world + rank) * micro_batch
         return torch.stack([self.sample(base + i) for i in range(micro_batch)])
+
+
+def max_token_id(bin_path: str, dtype: np.dtype, chunk_tokens: int = 1 << 24) -> int:
+    """The largest token id in a `.bin` file, read in chunks (no mapping kept), cached beside it by size/mtime."""
+    stat = os.stat(bin_path)
+    key = f"{stat.st_size}:{stat.st_mtime_ns}:{dtype.str}"
+    cache = bin_path + ".max_token_id.json"
+    try:
+        with open(cache, encoding="utf-8") as f:
+            cached = json.load(f)
+        if cached.get("key") == key:
+            return int(cached["max"])
+    except (OSError, ValueError):
+        pass
+    top = -1
+    with open(bin_path, "rb") as f:
+        while True:
+            chunk = np.fromfile(f, dtype=dtype, count=chunk_tokens)
+            if chunk.size == 0:
+                break
+            top = max(top, int(chunk.max()))
+    try:
+        atomic_write_text(cache, json.dumps({"key": key, "max": top}))
+    except OSError:
+        pass  # a read-only dataset directory: scan again next time
+    return top
 
 
 def main() -> None:

@@ -7,12 +7,20 @@ import os
 import sys
 from typing import Any
 
+from ..safe_io import atomic_write_text
+
 
 class MetricsWriter:
-    def __init__(self, output_dir: str, tensorboard_dir: str | None, append: bool) -> None:
+    def __init__(self, output_dir: str, tensorboard_dir: str | None, resume_step: int | None = None) -> None:
+        """`resume_step`: a resumed run keeps the records up to that step (an interrupted run's later steps are
+        dropped, so no step appears twice); None starts a new file."""
         os.makedirs(output_dir, exist_ok=True)
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        self._file = open(self.path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
+        kept = []
+        if resume_step is not None and os.path.isfile(self.path):
+            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         self._tb = None
         if tensorboard_dir:
             try:  # optional: the run goes on without it
@@ -38,8 +46,15 @@ class MetricsWriter:
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl (a last line cut off by a killed run is skipped)."""
+    records = []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
 
 
 def plot_loss(metrics_path: str, png_path: str) -> None:

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from ..config import Glm53Config
 from ..engine import build_engine, export_engine_to_hf, init_distributed, load_checkpoint, save_checkpoint
+from ..engine.checkpoint import verify_checkpoint
 from ..hf_loader import SafetensorsCheckpoint, checkpoint_has_mtp, load_hf_state_into
 from ..layers.moe import update_router_bias
 from ..model import Glm53Model, LossParts
@@ -78,8 +79,22 @@ def deepspeed_config(config: TrainConfig, world: int, gas: int) -> dict[str, Any
         "gradient_clipping": config.clip_grad,
     }
     if config.deepspeed_config:
-        with open(config.deepspeed_config, encoding="utf-8") as f:
-            ds = json.load(f)
+        try:
+            with open(config.deepspeed_config, encoding="utf-8") as f:
+                ds = json.load(f)
+        except json.JSONDecodeError as e:
+            raise SetupError(
+                f"--deepspeed_config {config.deepspeed_config}:{e.lineno}: not valid JSON ({e.msg})"
+            ) from e
+        for section, instead in (
+            ("optimizer", "--lr / --weight-decay"),
+            ("scheduler", "--lr / --min-lr / --warmup"),
+        ):
+            if section in ds:
+                raise SetupError(
+                    f"--deepspeed_config {config.deepspeed_config}: has a section '{section}'; the trainer builds it "
+                    f"from {instead} (remove the section)"
+                )
         for key, value in wanted.items():
             if key in ds and ds[key] != "auto" and ds[key] != value:
                 raise SetupError(
@@ -101,7 +116,6 @@ def deepspeed_config(config: TrainConfig, world: int, gas: int) -> dict[str, Any
     ds.update(wanted)
     ds.setdefault("steps_per_print", 10**9)
     ds.setdefault("zero_allow_untested_optimizer", True)
-    ds.pop("optimizer", None)  # the trainer builds AdamW itself, from --lr / --weight-decay
     return ds
 
 
@@ -128,6 +142,8 @@ class Trainer:
         self.layout: ParallelLayout | None = None
         self.stream: SampleStream | None = None
         self.start_step = 0
+        self.consumed = 0  # samples of the run read so far (the data position checkpoints store)
+        self.last_saved: str | None = None
         self.last: dict[str, Any] = {}
         self.writer: MetricsWriter | None = None
         self.progress: tqdm | None = None
@@ -157,20 +173,47 @@ class Trainer:
         if self.rank != 0:
             prefix = _or_setup_error(lambda: resolve_dataset(c.data, tokenizer, c.tokenizer, cache_dir))
         self.stream = _or_setup_error(lambda: SampleStream(prefix, c.seq_length, c.seed, cfg.vocab_size))
+        load_tag = _or_setup_error(lambda: verify_checkpoint(c.load, c.load_tag)) if c.load else None
 
         self.layout = init_layout(c.ep, c.etp, cfg)
         self.engine = build_engine(
             self._build_model(), self.ds_config, optimizer=self._adamw, layout=self.layout
         )
         if c.load:
-            client = load_checkpoint(self.engine, c.load, tag=c.load_tag)
-            self.start_step = int(client.get("step", 0))  # 0 for a model-only (converted) checkpoint
-            if "rng" in client:
-                torch.set_rng_state(client["rng"])
+            client = _or_setup_error(lambda: load_checkpoint(self.engine, c.load, tag=load_tag, verify=False))
+            self._resume(client)
         if self.rank == 0:
-            self.writer = MetricsWriter(c.output_dir, c.tensorboard_dir, append=bool(c.load))
+            self.writer = MetricsWriter(
+                c.output_dir, c.tensorboard_dir, resume_step=self.start_step if c.load else None
+            )
             self.progress = tqdm(total=c.train_iters, initial=self.start_step, desc="train", dynamic_ncols=True,
                                  file=sys.stderr)  # fmt: skip
+
+    def _resume(self, client: dict[str, Any]) -> None:
+        """Step, data position (consumed samples), RNG from a training checkpoint; a converted (model-only) one
+        starts at step 0. A checkpoint whose sample order differs from this run's is refused: resuming it would
+        re-read or skip samples."""
+        assert self.stream is not None
+        self.start_step = int(client.get("step", 0))
+        if self.start_step == 0:
+            return
+        if "consumed_samples" not in client:
+            raise SetupError(f"--load {self.config.load}: the checkpoint does not record its data position "
+                             "(consumed samples); it predates this trainer")  # fmt: skip
+        self.consumed = int(client["consumed_samples"])
+        stored = client.get("data", {})
+        differ = {k: (v, stored.get(k)) for k, v in self.stream.identity.items() if stored.get(k) != v}
+        if differ:
+            shown = ", ".join(
+                f"{k} {now} here, {then} in the checkpoint" for k, (now, then) in differ.items()
+            )
+            raise SetupError(
+                f"--load {self.config.load}: the data differs from the checkpoint's ({shown}); resuming would re-read "
+                "or skip samples (use the same --data, --seq-length and --seed, or start from the weights with a "
+                "converted checkpoint)"
+            )
+        if "rng" in client:
+            torch.set_rng_state(client["rng"])
 
     def _build_model(self) -> Glm53Model:
         c, cfg = self.config, self.cfg
@@ -208,7 +251,7 @@ class Trainer:
         for micro in range(self.gas):
             # a sample is seq_length + 1 tokens; the model takes HF-style labels aligned with its input and
             # shifts them itself, so the labels are the whole sample and the input drops its last token
-            batch = self.stream.batch(step, micro, self.rank, self.world, c.micro_batch_size, self.gas)
+            batch = self.stream.batch(self.consumed, micro, self.rank, self.world, c.micro_batch_size)
             batch = batch.to(engine.device)
             loss: LossParts = engine(
                 batch[:, :-1], labels=batch[:, :-1], next_tokens=batch[:, -1:], return_parts=True
@@ -218,12 +261,13 @@ class Trainer:
             if micro == self.gas - 1:
                 self._stop_if_not_finite(step, parts)  # before the one update of the step
             engine.step()
+        self.consumed += c.micro_batch_size * self.gas * self.world
         balance = update_router_bias(engine.module, rate=c.router_bias_update_rate)
         total, lm, mtp = self._logged
         step_time = time.perf_counter() - started
         norm = engine.get_global_grad_norm()
         tokens = c.micro_batch_size * self.gas * self.world * c.seq_length
-        record = dict(step=step + 1, loss=total, lm_loss=lm, lr=lr, grad_norm=None if norm is None else float(norm),
+        record = dict(step=step + 1, consumed_samples=self.consumed, loss=total, lm_loss=lm, lr=lr, grad_norm=None if norm is None else float(norm),
                       tokens_per_s=tokens / step_time, step_time=step_time,
                       moe_imbalance=max(balance.values()) if balance else None)  # fmt: skip
         if engine.module.mtp is not None:
@@ -249,17 +293,24 @@ class Trainer:
         flags_out, self._logged = values[: len(parts)], values[len(parts) :]
         bad = [i for i, f in enumerate(flags_out) if f > 0]
         if bad:
+            if self.last_saved:
+                where = f"The last checkpoint this run saved is {self.last_saved}"
+            elif self.config.load:
+                where = f"This run saved no checkpoint; it started from {self.config.load}"
+            else:
+                where = "No checkpoint was saved" + ("" if self.config.save else " (--save not given)")
             raise TrainingStopped(
                 f"loss is {self._logged[0]} at step {step + 1} (micro-batch {bad[0]}); training stopped before "
-                f"updating the weights. The last good checkpoint is in {self.config.save or '(none: --save not given)'}"
+                f"updating the weights. {where}"
             )
 
     # ------------------------------------------------------------------ checkpoints and the end
     def save(self, step: int) -> None:
-        assert self.layout is not None and self.config.save
+        assert self.layout is not None and self.stream is not None and self.config.save
         check_replicas(self.engine.module, self.layout)
-        save_checkpoint(self.engine, self.config.save, f"step{step}",
-                        client_state={"step": step, "rng": torch.get_rng_state()})  # fmt: skip
+        client = {"step": step, "consumed_samples": self.consumed, "data": self.stream.identity,
+                  "rng": torch.get_rng_state()}  # fmt: skip
+        self.last_saved = save_checkpoint(self.engine, self.config.save, f"step{step}", client_state=client)
 
     def _log(self, record: dict[str, Any]) -> None:
         self.last = record
@@ -286,7 +337,7 @@ class Trainer:
             if os.path.getsize(self.writer.path):
                 plot_loss(self.writer.path, os.path.join(c.output_dir, "loss.png"))
         if c.export_hf:
-            export_engine_to_hf(self.engine, self.cfg, c.export_hf, template=c.hf_dir)
+            export_engine_to_hf(self.engine, self.cfg, c.export_hf, template=c.hf_dir, force=c.force)
 
     def run(self) -> dict[str, Any]:
         self.setup()
