@@ -43,6 +43,9 @@ class LossParts:
     lm: torch.Tensor
     mtp: torch.Tensor | None = None
     aux: torch.Tensor | None = None
+    indexer: torch.Tensor | None = (
+        None  # the DSA indexers' KL loss (summed over full-indexer layers), unweighted
+    )
 
     def detached(self) -> dict[str, torch.Tensor]:
         """The parts to log, detached: lm_loss, and mtp_loss / aux_loss when present."""
@@ -51,6 +54,8 @@ class LossParts:
             out["mtp_loss"] = self.mtp.detach()
         if self.aux is not None:
             out["aux_loss"] = self.aux.detach()
+        if self.indexer is not None:
+            out["indexer_loss"] = self.indexer.detach()
         return out
 
 
@@ -139,7 +144,11 @@ class Glm53Model(nn.Module):
         if aux:
             aux_loss = torch.stack(aux).sum()
             loss = loss + aux_loss
-        return LossParts(loss, lm_loss, mtp_loss, aux_loss) if return_parts else loss
+        kl = [t for m in self.modules() if isinstance(t := getattr(m, "indexer_loss", None), torch.Tensor)]
+        indexer_loss = torch.stack(kl).sum() if kl else None
+        if indexer_loss is not None:
+            loss = loss + self.config.indexer_loss_coef * indexer_loss
+        return LossParts(loss, lm_loss, mtp_loss, aux_loss, indexer_loss) if return_parts else loss
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
         return self.output_layer(normed).float().transpose(0, 1)  # [s, b, V] -> [b, s, V]

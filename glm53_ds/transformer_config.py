@@ -31,6 +31,9 @@ class Glm53TransformerConfig(TransformerConfig):
     # Sequence-wise auxiliary balance loss weight (DeepSeek-V3); 0 = off. GLM-5.3 balances with the router
     # bias (aux-loss-free); set e.g. cfg.router_aux_loss_coef to add this loss as well.
     moe_seq_aux_loss_coef: float = 0.0
+    # Weight of the DSA indexer's own KL loss (docs/indexer_loss.md); 0 = the indexer is frozen (the LM loss gives
+    # it no gradient, as in transformers).
+    indexer_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.glm, Glm53Config):

@@ -76,7 +76,7 @@ def test_build_engine_on_a_world_of_one():
     assert engine.glm53_layout.world_size == 1 and engine.glm53_grad_sync == "not needed"
     assert isinstance(engine.optimizer, torch.optim.AdamW)
     groups = engine.optimizer.param_groups
-    assert {g["lr"] for g in groups} == {1e-3} and len(groups) == 2  # non-expert + one expert group
+    assert {g["lr"] for g in groups} == {1e-3} and len(groups) == 3  # decay, no decay, one expert group
     assert all(
         g.get("moe", False) == all(getattr(p, "allreduce", True) is False for p in g["params"])
         for g in groups

@@ -16,6 +16,7 @@ The engine carries its layout as `engine.glm53_layout` (checkpoints read it).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -89,20 +90,43 @@ def prepare_model(model: nn.Module, layout: ParallelLayout) -> None:
             )
 
 
-def optimizer_param_groups(model: nn.Module, weight_decay: float = 0.0) -> list[dict[str, Any]]:
-    """Trainable parameters in DeepSpeed's MoE optimizer groups (ZeRO needs experts in groups of their own).
-    Call after `prepare_model` (the split reads the expert tags)."""
-    groups = [
-        {
-            "params": [p for p in model.parameters() if p.requires_grad],
-            "weight_decay": weight_decay,
-            "name": "dense",
-        }
-    ]
-    return split_params_into_different_moe_groups_for_optimizer(groups)
+def decays(name: str, param: torch.Tensor, no_decay_pattern: str | None = None) -> bool:
+    """The weight-decay rule (Megatron's default): matrices decay; biases and 1-D parameters (norm weights, A_log,
+    dt_bias, mHC base / scale, gate vectors) do not; nor does any name `no_decay_pattern` (a regex) matches."""
+    if param.dim() < 2 or name.endswith(".bias"):
+        return False
+    return not (no_decay_pattern and re.search(no_decay_pattern, name))
 
 
-def _optimizer(model: nn.Module, optimizer: OptimizerArg, ds_config: dict[str, Any]) -> torch.optim.Optimizer:
+def optimizer_param_groups(model: nn.Module, no_decay_pattern: str | None = None) -> list[dict[str, Any]]:
+    """Trainable parameters (frozen ones, e.g. the DSA indexer without its loss, stay out) in decay / no-decay
+    groups, each split into DeepSpeed's MoE groups (ZeRO needs experts in groups of their own). Decay groups carry
+    no `weight_decay` (the optimizer's own applies), no-decay groups `weight_decay = 0`. Call after `prepare_model`
+    (the split reads the expert tags)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups: list[dict[str, Any]] = [
+        {"params": [p for n, p in named if decays(n, p, no_decay_pattern)], "name": "decay"},
+        {"params": [p for n, p in named if not decays(n, p, no_decay_pattern)], "weight_decay": 0.0, "name": "no_decay"},
+    ]  # fmt: skip
+    split = split_params_into_different_moe_groups_for_optimizer([g for g in groups if g["params"]])
+    return [g for g in split if g["params"]]
+
+
+def describe_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """One line for the start-up log: tensors and parameters per weight decay, and what is frozen."""
+    by_decay: dict[float, list[torch.Tensor]] = {}
+    for group in optimizer.param_groups:
+        by_decay.setdefault(float(group.get("weight_decay", 0.0)), []).extend(group["params"])
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    parts = [f"weight decay {wd:g} on {len(ps)} tensors ({sum(p.numel() for p in ps):,} parameters)"
+             for wd, ps in sorted(by_decay.items(), reverse=True)]  # fmt: skip
+    parts.append(f"frozen {len(frozen)} tensors ({sum(p.numel() for p in frozen):,} parameters)")
+    return "; ".join(parts)
+
+
+def _optimizer(
+    model: nn.Module, optimizer: OptimizerArg, ds_config: dict[str, Any], no_decay_pattern: str | None
+) -> torch.optim.Optimizer:
     if isinstance(optimizer, torch.optim.Optimizer):
         for i, group in enumerate(optimizer.param_groups):
             kinds = {is_expert_param(p) for p in group["params"]}
@@ -113,7 +137,7 @@ def _optimizer(model: nn.Module, optimizer: OptimizerArg, ds_config: dict[str, A
                 )
         return optimizer
     if optimizer is not None:
-        return optimizer(optimizer_param_groups(model))
+        return optimizer(optimizer_param_groups(model, no_decay_pattern))
     section = ds_config.get("optimizer") or {}
     if section and str(section.get("type", "")).lower() not in ("adam", "adamw"):
         raise ValueError(
@@ -122,8 +146,7 @@ def _optimizer(model: nn.Module, optimizer: OptimizerArg, ds_config: dict[str, A
         )
     params = {**ADAMW_DEFAULTS, **{k: v for k, v in section.get("params", {}).items() if k in ADAMW_DEFAULTS}}
     params["betas"] = tuple(params["betas"])
-    weight_decay = params.pop("weight_decay")
-    return torch.optim.AdamW(optimizer_param_groups(model, weight_decay), **params)
+    return torch.optim.AdamW(optimizer_param_groups(model, no_decay_pattern), **params)
 
 
 def build_engine(
@@ -131,12 +154,13 @@ def build_engine(
     ds_config: dict[str, Any],
     optimizer: OptimizerArg = None,
     layout: ParallelLayout | None = None,
+    no_decay_pattern: str | None = None,
 ) -> Any:
     """Wrap `model` (built under `layout`) in a DeepSpeed engine with every glm53_ds fix installed.
 
     `optimizer`: None for AdamW over DeepSpeed's MoE groups (hyperparameters from the config's `optimizer`
     section when it has one), an optimizer whose groups already separate experts, or a factory that receives
-    the groups. `layout`: the one the model was built under; None for a single process (world 1 is set up
+    the groups (`optimizer_param_groups`: decay / no-decay by `decays`, plus `no_decay_pattern`, MoE-split). `layout`: the one the model was built under; None for a single process (world 1 is set up
     when no process group exists). Returns the engine; `engine.glm53_layout` is the layout."""
     check_version()
     if layout is None:
@@ -153,7 +177,7 @@ def build_engine(
     prepare_model(model, layout)
     register_expert_groups(layout)
     config = {k: v for k, v in ds_config.items() if k != "optimizer"}  # the optimizer is built here
-    opt = _optimizer(model, optimizer, ds_config)
+    opt = _optimizer(model, optimizer, ds_config, no_decay_pattern)
     kept = fp32_masters.capture(model)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=opt, config=config, mpu=DeepSpeedMpu(layout)

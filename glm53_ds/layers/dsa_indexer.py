@@ -13,10 +13,14 @@ For each query it picks which keys the sparse MLA may attend to:
      tail, at most `index_kpool - 1`) are always appended.
 Output: int32 `[b, s, W]` token indices, -1 = empty slot, with W = index_topk (+ index_kpool - 1 with the tail);
 rows of padding queries are all -1. Runs without gradient (HF's indexer is `no_grad`: its parameters are not
-trained by the language-model loss).
+trained by the language-model loss). Its parameters are therefore frozen (`requires_grad=False`: out of the
+optimizer, ZeRO's buffers and the gradient norm) unless `indexer_loss_coef > 0`, which trains them with their own
+loss (`indexer_kl_loss` below, equations in docs/indexer_loss.md).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +28,15 @@ from torch import nn
 
 from ..transformer_config import Glm53TransformerConfig
 from .linear import ColumnLinear
+
+
+@dataclass
+class IndexerScores:
+    index_scores: torch.Tensor  # [b, s, P] fp32: every query's score of every pool
+    candidates: torch.Tensor  # [b, s, P] bool: complete pools whose last token the query sees
+    pool_tokens: torch.Tensor  # [b, P, kpool] token indices, -1 outside the sequence
+    visible: torch.Tensor  # [b, s, s] bool: causal and real
+    first_real: torch.Tensor  # [b]
 
 
 class DsaIndexer(nn.Module):
@@ -45,6 +58,8 @@ class DsaIndexer(nn.Module):
         self.index_kpool_compress_gate = nn.Parameter(
             torch.ones(self.head_dim, cfg.hidden_size, dtype=config.params_dtype)
         )
+        # The LM loss gives the indexer no gradient: frozen unless its own loss trains it.
+        self.requires_grad_(config.indexer_loss_coef > 0)
 
     @property
     def output_width(self) -> int:
@@ -53,6 +68,11 @@ class DsaIndexer(nn.Module):
     @torch.no_grad()
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x [b, s, D], q_resid [b, s, q_lora_rank], mask [b, s] bool -> token indices [b, s, W] int32."""
+        return self.select(self.score(x, q_resid, mask), mask)[0]
+
+    def score(self, x: torch.Tensor, q_resid: torch.Tensor, mask: torch.Tensor) -> IndexerScores:
+        """Steps 1-2: the pools and every query's score of every candidate pool (differentiable in the indexer's
+        parameters; the LM path calls it without gradient, the indexer loss on detached inputs)."""
         b, s, _ = x.shape
         device = x.device
         q = self.wq_b(q_resid).unflatten(-1, (self.n_heads, self.head_dim))  # [b, s, Hi, d]
@@ -75,20 +95,29 @@ class DsaIndexer(nn.Module):
         pool_last = pool_tokens[..., -1].clamp(0, s - 1)
         last_visible = visible.gather(-1, pool_last[:, None, :].expand(b, s, -1))
         candidates = last_visible & pool_complete[:, None]  # [b, s, P]
+        return IndexerScores(index_scores, candidates, pool_tokens, visible, first_real)
+
+    @torch.no_grad()
+    def select(self, scored: IndexerScores, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 3-4: token indices [b, s, W] int32 and the selected pools [b, s, P] bool."""
+        b, s = mask.shape
+        index_scores = scored.index_scores.detach()
+        candidates, pool_tokens = scored.candidates, scored.pool_tokens
         index_scores = index_scores.masked_fill(~candidates, torch.finfo(index_scores.dtype).min)
 
         n_select = min(self.index_topk // self.kpool, index_scores.shape[-1])
         chosen = index_scores.topk(n_select, dim=-1).indices  # [b, s, K]
         chosen_ok = candidates.gather(-1, chosen)
-        tokens = pool_tokens[torch.arange(b, device=device)[:, None, None], chosen]  # [b, s, K, kpool]
+        selected = torch.zeros_like(candidates).scatter_(-1, chosen, chosen_ok)
+        tokens = pool_tokens[torch.arange(b, device=mask.device)[:, None, None], chosen]  # [b, s, K, kpool]
         tokens = tokens.masked_fill(~chosen_ok[..., None], -1).flatten(-2)  # [b, s, K * kpool]
 
         if self.always_select_tail and self.kpool > 1:
-            tokens = torch.cat([tokens, self._tail(visible, first_real)], dim=-1)
+            tokens = torch.cat([tokens, self._tail(scored.visible, scored.first_real)], dim=-1)
         width = self.output_width
         tokens = F.pad(tokens, (0, max(width - tokens.shape[-1], 0)), value=-1)[..., :width]
         tokens = tokens.masked_fill(~mask[..., None], -1)
-        return tokens.to(torch.int32)
+        return tokens.to(torch.int32), selected & mask[..., None]
 
     def _pools(
         self, k: torch.Tensor, gate_scores: torch.Tensor, mask: torch.Tensor, first_real: torch.Tensor
@@ -123,3 +152,46 @@ class DsaIndexer(nn.Module):
         ok = (offsets[None, None, :] < n_tail[..., None]) & (tail < kv)
         ok &= visible.gather(-1, tail.clamp(0, kv - 1))
         return tail.masked_fill(~ok, -1)
+
+
+def indexer_kl_loss(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    allowed: torch.Tensor,
+    scaling: float,
+    scored: IndexerScores,
+    selected: torch.Tensor,
+    chunk_bytes: int = 256 * 1024**2,
+) -> torch.Tensor:
+    """KL(attention || indexer) over each query's selected pools, averaged over the queries that have any
+    (docs/indexer_loss.md). q, k [b, H, s, d] and allowed [b, 1, s, s] as the main attention uses them (detached
+    here); `scored` from `DsaIndexer.score` (the gradient flows into its index scores only); selected [b, s, P].
+
+    Target p[i, P] = sum_{j in P} sum_h softmax_h(q k^T scaling | allowed)[i, j], normalised over the selected pools;
+    model r[i, .] = softmax of the index scores over the selected pools; loss_i = sum_P p log(p / r).
+    Computed over chunks of queries so that the [b, H, chunk, s] probabilities stay under `chunk_bytes`."""
+    q, k = q.detach().float(), k.detach().float()
+    b, heads, s, _ = q.shape
+    pools, kpool = scored.pool_tokens.shape[1:]
+    token_index = scored.pool_tokens.clamp(min=0).reshape(b, 1, pools * kpool)
+    token_valid = (scored.pool_tokens >= 0).reshape(b, 1, pools * kpool)
+    chunk = max(1, chunk_bytes // max(1, b * heads * s * 4))
+    total = scored.index_scores.new_zeros(())
+    rows = scored.index_scores.new_zeros(())
+    for start in range(0, s, chunk):
+        end = min(start + chunk, s)
+        logits = torch.matmul(q[:, :, start:end], k.transpose(-1, -2)) * scaling  # [b, H, c, s]
+        logits = logits.masked_fill(~allowed[:, :, start:end], float("-inf"))
+        probs = torch.nan_to_num(logits.softmax(-1)).sum(1)  # [b, c, s]: summed over heads
+        per_token = probs.gather(-1, token_index.expand(b, end - start, -1)) * token_valid
+        sel = selected[:, start:end]
+        mass = per_token.view(b, end - start, pools, kpool).sum(-1) * sel  # [b, c, P]
+        norm = mass.sum(-1, keepdim=True)
+        ok = (norm.squeeze(-1) > 0) & sel.any(-1)  # queries with a target
+        p = mass / norm.clamp_min(torch.finfo(mass.dtype).tiny)
+        scores = scored.index_scores[:, start:end].masked_fill(~sel, float("-inf"))
+        log_r = torch.log_softmax(torch.where(ok[..., None], scores, torch.zeros_like(scores)), -1)
+        terms = torch.where(p > 0, p * (torch.log(p.clamp_min(torch.finfo(p.dtype).tiny)) - log_r), 0.0)
+        total = total + (terms.sum(-1) * ok).sum()
+        rows = rows + ok.sum()
+    return total / rows.clamp_min(1)

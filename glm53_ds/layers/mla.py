@@ -23,7 +23,7 @@ from torch import nn
 
 from .. import backends
 from ..transformer_config import Glm53TransformerConfig
-from .dsa_indexer import DsaIndexer
+from .dsa_indexer import DsaIndexer, indexer_kl_loss
 from .linear import ColumnLinear, RowLinear
 from .norm import RMSNorm
 
@@ -123,6 +123,8 @@ class SparseMLA(nn.Module):
         types = cfg.indexer_types
         self.reuses_selection = i < len(types) and types[i] == "shared"
         self.indexer = None if self.reuses_selection else DsaIndexer(config)
+        self.indexer_loss_coef = config.indexer_loss_coef
+        self.indexer_loss: torch.Tensor | None = None  # this forward's KL(attention || indexer), when trained
         # HF hands a full layer's selection only to the very next layer, when that one is "shared".
         self.passes_selection = not self.reuses_selection and i + 1 < len(types) and types[i + 1] == "shared"
 
@@ -156,8 +158,17 @@ class SparseMLA(nn.Module):
         )
         k, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)  # [b, H, s, dq], [b, H, s, dv]
 
+        train_indexer = (
+            self.indexer is not None
+            and self.indexer_loss_coef > 0
+            and self.training
+            and torch.is_grad_enabled()
+        )
         if self.indexer is not None:
-            topk = self.indexer(x, q_resid, mask)
+            # detached inputs: the indexer loss trains only the indexer, and the LM loss never does
+            with torch.set_grad_enabled(train_indexer):
+                scored = self.indexer.score(x.detach(), q_resid.detach(), mask)
+            topk, selected = self.indexer.select(scored, mask)
         elif shared_topk is None:
             raise ValueError(
                 f"layer {self.layer_index}: a 'shared' DSA layer needs the top-k selection of the previous full layer"
@@ -166,9 +177,13 @@ class SparseMLA(nn.Module):
             topk = shared_topk
 
         dropout = self.attention_dropout if self.training else 0.0
+        allowed = topk_to_mask(topk, s)
         out = masked_attention(
-            q, k, v, topk_to_mask(topk, s), self.scaling, dropout, backend=self.attention_impl
+            q, k, v, allowed, self.scaling, dropout, backend=self.attention_impl
         )  # [b, s, H, dv]
+        self.indexer_loss = (
+            indexer_kl_loss(q, k, allowed, self.scaling, scored, selected) if train_indexer else None
+        )
         out = out.reshape(b, s, self.num_heads * self.v_head_dim)
         out = self.o_proj(out)
         return out.transpose(0, 1), (topk if self.passes_selection else None)

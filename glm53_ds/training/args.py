@@ -26,6 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation recompute: selective = mHC pre/post + FFN; full = whole layers")  # fmt: skip
     m.add_argument("--aux-loss-coef", type=float, help="sequence-wise MoE balance loss weight (0 = off)")
 
+    m.add_argument("--indexer-loss-coef", type=float, help="train the DSA indexers by a KL loss to the main "
+                   "attention (DeepSeek-V3.2), weighted by this; 0 keeps them frozen, as the LM loss gives them no "
+                   "gradient (docs/indexer_loss.md)")  # fmt: skip
+
     par = p.add_argument_group("parallelism")
     par.add_argument("--ep", type=int, help="expert parallel size")
     par.add_argument("--etp", type=int, help="expert tensor parallel size")
@@ -47,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--min-lr", type=float)
     o.add_argument("--warmup", type=int, help="linear warmup steps, then cosine decay to --min-lr")
     o.add_argument("--weight-decay", type=float)
+    o.add_argument("--no-decay-pattern", help="regex of parameter names without weight decay, in addition to "
+                   "biases and 1-D parameters (norm weights, A_log, dt_bias, mHC base/scale)")  # fmt: skip
     o.add_argument("--clip-grad", type=float)
     o.add_argument("--router-bias-update-rate", type=float,
                    help="aux-loss-free balancing step; 0 turns it off (default: 1e-2 for the tiny preset, else 1e-3)")  # fmt: skip

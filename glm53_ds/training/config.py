@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 
 from ..safe_io import OutputPathError, check_output_dir
@@ -36,6 +37,7 @@ class TrainConfig:
     no_mtp: bool = False
     recompute: str = "none"
     aux_loss_coef: float = 0.0
+    indexer_loss_coef: float = 0.0  # > 0: train the DSA indexers by their KL loss (else they stay frozen)
     # parallelism
     ep: int = 1
     etp: int = 1
@@ -52,6 +54,9 @@ class TrainConfig:
     min_lr: float = 3e-4
     warmup: int = 5
     weight_decay: float = 0.01
+    no_decay_pattern: str | None = (
+        None  # regex of parameter names exempt from weight decay (besides biases / 1-D)
+    )
     clip_grad: float = 1.0
     router_bias_update_rate: float = DEFAULT_ROUTER_BIAS_UPDATE_RATE
     # checkpoints and output
@@ -124,7 +129,8 @@ class TrainConfig:
         for name in ("train_iters", "warmup", "save_interval", "check_replicas_interval", "log_interval"):
             if getattr(self, name) < 0:
                 raise SetupError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        for name in ("lr", "min_lr", "weight_decay", "clip_grad", "router_bias_update_rate", "aux_loss_coef"):
+        for name in ("lr", "min_lr", "weight_decay", "clip_grad", "router_bias_update_rate", "aux_loss_coef",
+                     "indexer_loss_coef"):  # fmt: skip
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise SetupError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
@@ -132,6 +138,13 @@ class TrainConfig:
             math.isfinite(self.mtp_loss_weight) and self.mtp_loss_weight >= 0
         ):
             raise SetupError(f"--mtp-loss-weight must be a finite number >= 0, got {self.mtp_loss_weight}")
+        if self.no_decay_pattern is not None:
+            try:
+                re.compile(self.no_decay_pattern)
+            except re.error as e:
+                raise SetupError(
+                    f"--no-decay-pattern {self.no_decay_pattern!r}: not a regular expression ({e})"
+                ) from e
         if self.recompute not in RECOMPUTE:
             raise SetupError(f"--recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.hf_dir and not os.path.isfile(os.path.join(self.hf_dir, "config.json")):

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from ..config import Glm53Config
 from ..engine import build_engine, export_engine_to_hf, init_distributed, load_checkpoint, save_checkpoint
+from ..engine.build import describe_param_groups
 from ..engine.checkpoint import verify_checkpoint
 from ..hf_loader import SafetensorsCheckpoint, checkpoint_has_mtp, load_hf_state_into
 from ..layers.moe import update_router_bias
@@ -176,9 +177,13 @@ class Trainer:
         load_tag = _or_setup_error(lambda: verify_checkpoint(c.load, c.load_tag)) if c.load else None
 
         self.layout = init_layout(c.ep, c.etp, cfg)
-        self.engine = build_engine(
-            self._build_model(), self.ds_config, optimizer=self._adamw, layout=self.layout
-        )
+        self.engine = build_engine(self._build_model(), self.ds_config, optimizer=self._adamw, layout=self.layout,
+                                   no_decay_pattern=c.no_decay_pattern)  # fmt: skip
+        if self.rank == 0:
+            print(
+                f"optimizer: {describe_param_groups(self.engine.module, self.engine.optimizer)}",
+                file=sys.stderr,
+            )
         if c.load:
             client = _or_setup_error(lambda: load_checkpoint(self.engine, c.load, tag=load_tag, verify=False))
             self._resume(client)
@@ -221,7 +226,7 @@ class Trainer:
         dtype = torch.bfloat16 if self.ds_config.get("bf16", {}).get("enabled") else torch.float32
         tconfig = make_transformer_config(
             cfg, dtype=dtype, expert_model_parallel_size=c.ep, expert_tensor_parallel_size=c.etp,
-            moe_seq_aux_loss_coef=c.aux_loss_coef, **_recompute(c.recompute),
+            moe_seq_aux_loss_coef=c.aux_loss_coef, indexer_loss_coef=c.indexer_loss_coef, **_recompute(c.recompute),
         )  # fmt: skip
         torch.manual_seed(c.seed)
         use_mtp = cfg.num_nextn_predict_layers > 0
@@ -234,9 +239,9 @@ class Trainer:
         return model
 
     def _adamw(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-        for group in groups:
-            group["weight_decay"] = self.config.weight_decay
-        return torch.optim.AdamW(groups, lr=self.config.lr, betas=(0.9, 0.95), eps=1e-8)
+        """AdamW over build_engine's groups: --weight-decay on matrices, none on biases / 1-D parameters."""
+        c = self.config
+        return torch.optim.AdamW(groups, lr=c.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=c.weight_decay)
 
     # ------------------------------------------------------------------ one step
     def train_step(self, step: int) -> dict[str, Any]:
@@ -263,7 +268,7 @@ class Trainer:
             engine.step()
         self.consumed += c.micro_batch_size * self.gas * self.world
         balance = update_router_bias(engine.module, rate=c.router_bias_update_rate)
-        total, lm, mtp = self._logged
+        total, lm, mtp, indexer = self._logged
         step_time = time.perf_counter() - started
         norm = engine.get_global_grad_norm()
         tokens = c.micro_batch_size * self.gas * self.world * c.seq_length
@@ -272,6 +277,8 @@ class Trainer:
                       moe_imbalance=max(balance.values()) if balance else None)  # fmt: skip
         if engine.module.mtp is not None:
             record["mtp_loss"] = mtp
+        if c.indexer_loss_coef > 0:
+            record["indexer_loss"] = indexer
         return record
 
     def _stop_if_not_finite(self, step: int, parts: list[LossParts]) -> None:
@@ -279,12 +286,12 @@ class Trainer:
         losses to log (means over micro-batches and ranks)."""
         flags = torch.stack([(~torch.isfinite(p.total.detach())).float() for p in parts])
         zero = torch.zeros((), device=flags.device)
-        per_micro = torch.stack(
-            [
-                torch.stack([p.total.detach(), p.lm.detach(), zero if p.mtp is None else p.mtp.detach()])
-                for p in parts
-            ]
-        ).float()  # [micro, 3]: total, lm, mtp
+
+        def row(p: LossParts) -> torch.Tensor:  # total, lm, mtp, indexer
+            optional = [zero if t is None else t.detach() for t in (p.mtp, p.indexer)]
+            return torch.stack([p.total.detach(), p.lm.detach(), *optional])
+
+        per_micro = torch.stack([row(p) for p in parts]).float()  # [micro, 4]
         sums = per_micro.sum(0) / (self.gas * self.world)
         packed = torch.cat([flags, sums]).double()
         if self.world > 1:

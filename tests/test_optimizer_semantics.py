@@ -1,0 +1,217 @@
+"""Optimizer semantics (issue 13): the DSA indexer is frozen for the LM loss or trained by its own KL loss, and weight
+decay spares biases and 1-D parameters. The KL loss is checked against an independent per-query reference."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import glm53_ds
+from glm53_ds.config import Glm53Config
+from glm53_ds.engine.build import decays, optimizer_param_groups, prepare_model
+from glm53_ds.layers.dsa_indexer import DsaIndexer, indexer_kl_loss
+from glm53_ds.layers.mla import SparseMLA, topk_to_mask
+from glm53_ds.parallel import init_layout
+from tests.model_fixtures import CONFIG_A, rel_err
+from tests.test_train import _tiny_hf_checkpoint, deepspeed_run
+
+ONE_D = ("A_log", "dt_bias", "_hc.base", "_hc.scale", "norm.weight", "layernorm.weight")
+
+
+def _is_indexer(name: str) -> bool:
+    return ".indexer." in name
+
+
+# ----------------------------------------------------------------------------- weight-decay groups
+def group_problems(model: torch.nn.Module, groups: list[dict], weight_decay: float) -> list[str]:
+    """What is wrong with `groups`: a bias / 1-D parameter decayed, a matrix not decayed, a frozen one present."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    problems, seen = [], set()
+    for group in groups:
+        wd = group.get("weight_decay", weight_decay)
+        for p in group["params"]:
+            name = names[id(p)]
+            seen.add(name)
+            if (p.dim() < 2 or name.endswith(".bias")) and wd != 0:
+                problems.append(f"{name} decays")
+            if p.dim() >= 2 and not name.endswith(".bias") and wd != weight_decay:
+                problems.append(f"{name} does not decay")
+            if not p.requires_grad:
+                problems.append(f"{name} is frozen but optimized")
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in seen]
+    return problems + [f"{n} is not optimized" for n in missing]
+
+
+def test_weight_decay_spares_biases_and_1d_parameters():
+    model = glm53_ds.build_model(Glm53Config.from_text_dict(CONFIG_A))
+    prepare_model(model, init_layout(1, 1))
+    groups = optimizer_param_groups(model)
+    optimizer = torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.1)
+    assert group_problems(model, optimizer.param_groups, 0.1) == []
+    no_decay = {n for n, p in model.named_parameters() if p.requires_grad and not decays(n, p)}
+    for kind in ONE_D:
+        assert any(kind in n for n in no_decay), kind
+    assert any("experts.gate_up_proj" in n for n, p in model.named_parameters() if decays(n, p))
+    # every indexer tensor is frozen and in no group
+    indexer = [n for n, p in model.named_parameters() if _is_indexer(n)]
+    assert len(indexer) >= 7 and all(
+        not p.requires_grad for n, p in model.named_parameters() if _is_indexer(n)
+    )
+    # the pattern exempts more names
+    extra = optimizer_param_groups(model, no_decay_pattern=r"\.q_a_proj\.")
+    decayed = {id(p) for g in extra if "weight_decay" not in g for p in g["params"]}
+    assert not any(id(p) in decayed for n, p in model.named_parameters() if ".q_a_proj." in n)
+    # control: the old single group (every trainable parameter at the same weight decay) is caught
+    old = [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": 0.1}]
+    assert any("A_log decays" in problem for problem in group_problems(model, old, 0.1))
+
+
+# ----------------------------------------------------------------------------- the KL loss
+def _case(seed: int = 0):
+    """An indexer's scores and selection on random inputs, with sparse selection active (s > index_topk)."""
+    cfg = Glm53Config.from_text_dict(CONFIG_A)
+    tconfig = glm53_ds.make_transformer_config(cfg, indexer_loss_coef=1.0)
+    torch.manual_seed(seed)
+    indexer = DsaIndexer(tconfig)
+    with torch.no_grad():
+        for p in indexer.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    b, s, heads, d = 2, 23, 3, 8
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, s, cfg.hidden_size, generator=g)
+    q_resid = torch.randn(b, s, cfg.q_lora_rank, generator=g)
+    mask = torch.ones(b, s, dtype=torch.bool)
+    mask[1, :3] = False  # left padding in the second row
+    scored = indexer.score(x, q_resid, mask)
+    topk, selected = indexer.select(scored, mask)
+    q, k = torch.randn(b, heads, s, d, generator=g), torch.randn(b, heads, s, d, generator=g)
+    return scored, selected, topk_to_mask(topk, s), q, k, d**-0.5
+
+
+def reference_kl(scores, selected, pool_tokens, allowed, q, k, scaling):
+    """Per query, in float64, written out: the head-summed attention over the allowed keys, pooled, normalised over
+    the selected pools; KL to the softmax of the index scores over the same pools; mean over queries with a target."""
+    b, heads, s, _ = q.shape
+    losses = []
+    for i in range(b):
+        for t in range(s):
+            pools = selected[i, t].nonzero().flatten().tolist()
+            keys = allowed[i, 0, t].nonzero().flatten().tolist()
+            if not pools or not keys:
+                continue
+            attention = torch.zeros(s, dtype=torch.float64)
+            for h in range(heads):
+                logits = torch.stack([q[i, h, t].double() @ k[i, h, j].double() * scaling for j in keys])
+                attention[keys] += torch.softmax(logits, 0)
+            mass = torch.stack(
+                [sum(attention[j] for j in pool_tokens[i, P].tolist() if j >= 0) for P in pools]
+            )
+            if mass.sum() <= 0:
+                continue
+            p = mass / mass.sum()
+            log_r = torch.log_softmax(scores[i, t, pools].double(), 0)
+            losses.append(
+                sum(pk * (math.log(pk) - lr) for pk, lr in zip(p.tolist(), log_r, strict=True) if pk > 0)
+            )
+    return torch.stack(losses).mean()
+
+
+def test_kl_loss_and_gradient_match_the_reference():
+    scored, selected, allowed, q, k, scaling = _case()
+    assert selected.sum(-1).max() < scored.candidates.sum(-1).max()  # sparse: some candidates not selected
+    scores = scored.index_scores.detach().clone().requires_grad_(True)
+    scored.index_scores = scores
+    loss = indexer_kl_loss(
+        q, k, allowed, scaling, scored, selected, chunk_bytes=4 * 2 * 3 * 23 * 5
+    )  # 5-row chunks
+    (grad,) = torch.autograd.grad(loss, scores)
+    ref_scores = scores.detach().double().requires_grad_(True)
+    ref = reference_kl(ref_scores, selected, scored.pool_tokens, allowed, q, k, scaling)
+    (ref_grad,) = torch.autograd.grad(ref, ref_scores)
+    assert abs(loss.item() - ref.item()) <= 1e-6 * abs(ref.item()), (loss.item(), ref.item())
+    assert rel_err(grad.double(), ref_grad) <= 1e-6
+    assert loss.item() > 1e-3
+
+
+def test_kl_loss_is_zero_when_the_indexer_reproduces_the_attention():
+    scored, selected, allowed, q, k, scaling = _case(seed=1)
+    # the target distribution, from the reference's own pooling: set the index scores to its log
+    b, s, pools = selected.shape
+    target = torch.full((b, s, pools), -30.0)
+    for i in range(b):
+        for t in range(s):
+            sel = selected[i, t].nonzero().flatten()
+            if sel.numel() == 0 or not allowed[i, 0, t].any():
+                continue
+            keys = allowed[i, 0, t].nonzero().flatten()
+            attention = torch.zeros(s, dtype=torch.float64)
+            for h in range(q.shape[1]):
+                attention[keys] += torch.softmax(
+                    (q[i, h, t].double() @ k[i, h, keys].double().T) * scaling, 0
+                )
+            mass = torch.stack(
+                [attention[[j for j in scored.pool_tokens[i, P].tolist() if j >= 0]].sum() for P in sel]
+            )
+            target[i, t, sel] = torch.log(mass / mass.sum()).float() + 5.0  # any shift: softmax is shift-free
+    scored.index_scores = target
+    assert indexer_kl_loss(q, k, allowed, scaling, scored, selected).item() <= 1e-6
+
+
+def test_indexer_loss_trains_only_the_indexer():
+    """One step with and without the coefficient: the LM-loss gradients of every other parameter are bitwise the
+    same (the indexer reads detached inputs), the indexer gets gradients only from its loss."""
+    cfg = Glm53Config.from_text_dict(CONFIG_A)
+    frozen = glm53_ds.build_model(cfg, mtp=False).train()
+    trained = glm53_ds.build_model(cfg, mtp=False, indexer_loss_coef=0.5).train()
+    trained.load_state_dict(frozen.state_dict())
+    ids = torch.randint(1, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    frozen(ids, labels=ids).backward()
+    parts = trained(ids, labels=ids, return_parts=True)
+    parts.total.backward()
+    assert parts.indexer is not None and parts.indexer.item() > 0
+    assert torch.allclose(parts.total, parts.lm + 0.5 * parts.indexer)
+    grads = dict(frozen.named_parameters())
+    for name, p in trained.named_parameters():
+        if _is_indexer(name):
+            assert grads[name].grad is None and not grads[name].requires_grad
+            assert p.grad is not None
+            continue
+        assert torch.equal(p.grad, grads[name].grad), name
+    assert any(p.grad.abs().sum() > 0 for n, p in trained.named_parameters() if _is_indexer(n))
+    shared = [m for m in trained.modules() if isinstance(m, SparseMLA) and m.indexer is None]
+    assert shared and all(m.indexer_loss is None for m in shared)  # `shared` layers add nothing
+
+
+@pytest.mark.slow
+def test_indexer_frozen_by_default_and_trained_with_its_loss_under_ep2(tmp_path):
+    """From a released-layout directory, 2 ranks EP2 at high lr and weight decay: every indexer tensor is bitwise the
+    source's in --export-hf, attention projections move; with --indexer-loss-coef the indexer moves too. (Before:
+    weight decay shrank 5 of the 7 indexer tensors of a tiny model in 5 steps.)"""
+    source = tmp_path / "hf"
+    source.mkdir()
+    _tiny_hf_checkpoint(source)
+    original = {k: v for f in sorted(source.glob("*.safetensors")) for k, v in load_file(f).items()}
+    indexer_names = [k for k in original if ".indexer." in k]
+    assert len(indexer_names) >= 7
+    for coef in ("0", "1.0"):
+        out = tmp_path / f"export{coef}"
+        proc = deepspeed_run(2, "--hf-dir", str(source), "--tokenizer", "bytes", "--ep", "2", "--train-iters", "3",
+                             "--lr", "1e-2", "--weight-decay", "0.1", "--warmup", "0", "--indexer-loss-coef", coef,
+                             "--output-dir", str(tmp_path / f"run{coef}"), "--export-hf", str(out))  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        exported = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+        unchanged = [n for n in indexer_names if torch.equal(exported[n], original[n])]
+        moved = [n for n in original if "q_a_proj" in n and not torch.equal(exported[n], original[n])]
+        assert moved, "attention projections did not train"
+        if coef == "0":
+            assert unchanged == indexer_names
+        else:
+            assert len(unchanged) < len(indexer_names) // 2, unchanged
+            with open(tmp_path / f"run{coef}" / "metrics.jsonl", encoding="utf-8") as f:
+                assert all(json.loads(line)["indexer_loss"] > 0 for line in f)
+    assert os.path.isdir(tmp_path / "export0")
