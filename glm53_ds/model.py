@@ -61,8 +61,9 @@ class LossParts:
 
 class Glm53Model(nn.Module):
     # Tensors HF keeps in fp32 whatever the model dtype (transformers' _keep_in_fp32_modules_strict for glm5_next);
-    # glm53_ds builds them in fp32. DeepSpeed 0.19.8's bf16/fp16 cast reads this attribute but keeps only buffers
-    # (the router bias) in fp32; parallel/fp32_masters.py keeps the parameters' optimizer masters unrounded.
+    # glm53_ds builds them in fp32. DeepSpeed 0.19.8's bf16 cast reads this attribute but keeps only buffers (the
+    # router bias) in fp32; glm53_ds.build_engine turns the parameters into fp32 buffers it never casts
+    # (engine/fp32_params.py), with their own reduction and optimizer.
     _keep_in_fp32_modules_strict = [
         "e_score_correction_bias",
         "conv1d",

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from tests.model_fixtures import rel_err
 
@@ -29,14 +28,18 @@ def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
 
 
-def _models(ckpt: str, layout, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+def _models(ckpt: str, layout, dtype: torch.dtype, **overrides: Any):  # type: ignore[no-untyped-def]
     import glm53_ds
     from glm53_ds.model import Glm53Model
     from glm53_ds.transformer_config import make_transformer_config
 
     ref = glm53_ds.load_hf(ckpt)
     config = make_transformer_config(
-        ref.glm, dtype=dtype, expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp
+        ref.glm,
+        dtype=dtype,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        **overrides,
     )
     model = Glm53Model(config, mtp=False, pg_collection=layout.pg_collection)
     shard = layout.expert_shard(ref.glm).shard_state_dict(_full_state(ref))
@@ -61,11 +64,15 @@ def _compare_to_reference(
 
     shard = layout.expert_shard(ref.glm)
     ref_params = dict(ref.named_parameters())
+    # HF's fp32-kept parameters are buffers of a bf16 engine (engine/fp32_params.py): compared too
+    kept = [(n, b) for n, b in model.named_buffers() if n in ref_params]
     worst = {"expert": 0.0, "non_expert": 0.0}
-    for name, p in model.named_parameters():
+    for name, p in list(model.named_parameters()) + kept:
         r = ref_params[name]
         mine, theirs = (p.grad, r.grad) if use_grad else (p.detach(), r.detach())
-        if theirs is None:  # indexer parameters have no gradient (HF's no_grad indexer)
+        if (
+            theirs is None or mine is None
+        ):  # frozen indexer (HF's no_grad indexer); kept buffers after the step
             continue
         if (tensor_kind := expert_tensor_kind(name)) is not None:
             theirs = shard.shard(tensor_kind, theirs)
@@ -80,10 +87,10 @@ def _compare_to_reference(
 
 
 def _engine(model, layout, stage: int, dtype: torch.dtype, optimizer: str, lr: float, patch: bool,
-            gas: int = 1, overlap_comm: bool = False, clip: float = 0.0, bf16_optimizer: bool = False,
-            restore_masters: bool = True):  # type: ignore[no-untyped-def]  # fmt: skip
-    """An engine through `glm53_ds.build_engine`; `patch=False` / `restore_masters=False` are the controls (the
-    gradient-sync patch / the fp32-master restore replaced by no-ops for this build only)."""
+            gas: int = 1, overlap_comm: bool = False, clip: float = 0.0,
+            bf16_optimizer: bool = False):  # type: ignore[no-untyped-def]  # fmt: skip
+    """An engine through `glm53_ds.build_engine`; `patch=False` is the control (the gradient-sync patch replaced by
+    a no-op for this build only)."""
     from unittest import mock
 
     import glm53_ds
@@ -111,13 +118,8 @@ def _engine(model, layout, stage: int, dtype: torch.dtype, optimizer: str, lr: f
     }
     if bf16_optimizer:
         config["data_types"] = {"grad_accum_dtype": "fp32"}
-    with (
-        mock.patch.object(
-            build, "install_gradient_sync", build.install_gradient_sync if patch else _no_patch
-        ),
-        mock.patch.object(
-            build.fp32_masters, "restore", build.fp32_masters.restore if restore_masters else _no_patch
-        ),
+    with mock.patch.object(
+        build, "install_gradient_sync", build.install_gradient_sync if patch else _no_patch
     ):
         return glm53_ds.build_engine(model, config, optimizer=make_optimizer, layout=layout)
 
@@ -317,73 +319,85 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def bf16_keeps_fp32(ckpt: str, ep: int, etp: int, save_dir: str) -> dict[str, Any]:
-    """Under bf16 engines (ZeRO-2, and the stage-0 optimizer): which of HF's fp32-kept tensors DeepSpeed leaves in
-    fp32; whether their fp32 masters keep the unrounded values through init, save, a full load and a model-only
-    load; and the control without `fp32_masters.restore`."""
-    import json
+    """bf16 engines (ZeRO-2, and the stage-0 bf16 optimizer) built from an fp32 model: HF's fp32-kept parameters
+    are fp32 tensors in the forward pass, equal to the loaded values; other parameters bf16; after two AdamW steps
+    they moved and every replica is identical; saved as fp32; a full load restores them and their optimizer state,
+    so the next step is bitwise the uninterrupted one; the logits stay close to the fp32 model's."""
     import os
 
     from glm53_ds.convert.native_format import ShardReader
-    from glm53_ds.engine import fp32_masters, load_checkpoint, save_checkpoint
+    from glm53_ds.engine import load_checkpoint, save_checkpoint
+    from glm53_ds.engine.fp32_params import fp32_kept_names
+    from glm53_ds.parallel.replicas import ReplicaMismatch, check_replicas
+    from tests.model_fixtures import load_hf_reference
 
     layout = _setup(ep, etp)
     out: dict[str, Any] = {}
+    x = _local(_batch(96, layout.world_size, seed=3)[0], layout.rank)
+    hf_bf16 = load_hf_reference(
+        ckpt, dtype=torch.bfloat16
+    )  # transformers' bf16 model, HF's attention expression
     for stage in (2, 0):
 
-        def engine_for(restore: bool, stage: int = stage):  # type: ignore[no-untyped-def]
-            _, model = _models(ckpt, layout, torch.bfloat16)
-            values = fp32_masters.capture(model)
-            engine = _engine(model, layout, stage=stage, dtype=torch.bfloat16, optimizer="adamw", lr=1e-3,
-                             patch=True, restore_masters=restore)  # fmt: skip
-            return engine, values
+        def engine_for(stage: int = stage):  # type: ignore[no-untyped-def]
+            ref, model = _models(
+                ckpt, layout, torch.float32, attention_impl="eager"
+            )  # fp32, to a bf16 engine
+            kept = {
+                n: t.detach().clone()
+                for n, t in model.state_dict().items()
+                if n in set(fp32_kept_names(model))
+            }
+            engine = _engine(model, layout, stage=stage, dtype=torch.bfloat16, optimizer="adamw", lr=1e-2, patch=True,
+                             clip=0.5)  # fmt: skip
+            return ref, engine, kept
 
-        control, values = engine_for(restore=False)
-        out[f"stage{stage}_control_rounded"] = _max_diff(fp32_masters.gather(control), values)
-        engine, values = engine_for(restore=True)
-        out[f"stage{stage}_restored"] = _max_diff(fp32_masters.gather(engine), values)
-        x = _local(_batch(engine.module.glm.vocab_size, layout.world_size, seed=3)[0], layout.rank)
-        for _ in range(2):
+        def kept_state(engine):  # type: ignore[no-untyped-def]
+            return {n: t.detach().clone() for n, t in engine.glm53_fp32_params.named}
+
+        def step(engine):  # type: ignore[no-untyped-def]
             engine.backward(engine(x, labels=x))
             engine.step()
-        masters = fp32_masters.gather(engine)
+
+        ref, engine, original = engine_for()
+        now = kept_state(engine)
+        out[f"stage{stage}_kept"] = len(now)
+        out[f"stage{stage}_kept_fp32_exact"] = set(now) == set(original) and all(
+            t.dtype == torch.float32 and torch.equal(t, original[n]) for n, t in now.items()
+        )
+        out[f"stage{stage}_others_bf16"] = all(p.dtype == torch.bfloat16 for p in engine.module.parameters())
+        with torch.no_grad():
+            engine.eval()
+            ours, theirs = engine(x).float().flatten(), hf_bf16(input_ids=x).logits.float().flatten()
+            engine.train()
+        out[f"stage{stage}_cosine_to_hf_bf16"] = torch.nn.functional.cosine_similarity(
+            ours, theirs, dim=0
+        ).item()
+        for _ in range(2):
+            step(engine)
+        after = kept_state(engine)
+        out[f"stage{stage}_moved"] = all(
+            not torch.equal(after[n], original[n]) for n in after if "conv1d" in n
+        )
+        try:
+            check_replicas(engine.module, layout)
+            out[f"stage{stage}_replicas"] = "identical"
+        except ReplicaMismatch as e:
+            out[f"stage{stage}_replicas"] = str(e)
         directory = os.path.join(save_dir, f"stage{stage}")
         save_checkpoint(engine, directory, "step2")
         stored = dict(ShardReader(os.path.join(directory, "step2", "glm53"), "replicated").items())
-        out[f"stage{stage}_saved_fp32"] = all(stored[k].dtype == torch.float32 for k in masters)
-        out[f"stage{stage}_saved_vs_masters"] = _max_diff({k: stored[k] for k in masters}, masters)
-        resumed, _ = engine_for(restore=False)
+        out[f"stage{stage}_saved_fp32_exact"] = all(
+            stored[n].dtype == torch.float32 and torch.equal(stored[n], t) for n, t in after.items()
+        )
+        _, resumed, _ = engine_for()
         load_checkpoint(resumed, directory, "step2")
-        out[f"stage{stage}_full_load"] = _max_diff(fp32_masters.gather(resumed), masters)
-        dist.barrier()
-        if layout.rank == 0:  # the same files as a model-only checkpoint (what the converter writes)
-            from glm53_ds.safe_io import describe_files, read_manifest, write_manifest
-
-            meta_path = os.path.join(directory, "step2", "glm53", "layout.json")
-            meta = json.load(open(meta_path))
-            json.dump({**meta, "model_only": True}, open(meta_path, "w"))
-            tag_dir = os.path.join(directory, "step2")
-            write_manifest(tag_dir, read_manifest(tag_dir) | describe_files(tag_dir, ["glm53/layout.json"]))
-        dist.barrier()
-        fresh, _ = engine_for(restore=False)
-        load_checkpoint(fresh, directory, "step2")
-        out[f"stage{stage}_model_only_load"] = _max_diff(fp32_masters.gather(fresh), masters)
+        out[f"stage{stage}_loaded_exact"] = all(
+            torch.equal(t, after[n]) for n, t in kept_state(resumed).items()
+        )
+        step(engine)
+        step(resumed)
+        a, b = kept_state(engine), kept_state(resumed)
+        out[f"stage{stage}_resumed_step_bitwise"] = all(torch.equal(a[n], b[n]) for n in a)
         out[f"stage{stage}_optimizer"] = type(engine.optimizer).__name__
-
-    kept = ("e_score_correction_bias", "conv1d", "dt_bias", "A_log", "_hc.base", "_hc.scale")
-    dtypes = {
-        n: str(t.dtype)
-        for n, t in list(engine.module.named_parameters()) + list(engine.module.named_buffers())
-    }
-    return out | dict(
-        bias_buffer_fp32=all(
-            v == "torch.float32" for n, v in dtypes.items() if n.endswith("e_score_correction_bias")
-        ),
-        kept_params_fp32=all(
-            v == "torch.float32" for n, v in dtypes.items() if any(k in n for k in kept[1:])
-        ),
-        others_bf16=all(
-            v == "torch.bfloat16"
-            for n, v in dtypes.items()
-            if not any(k in n for k in kept) and "expert_load" not in n
-        ),  # fmt: skip
-    )
+    return out

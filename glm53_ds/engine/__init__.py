@@ -4,7 +4,8 @@
   `init_distributed`, `prepare_model`, `optimizer_param_groups`;
 - `deepspeed_internals.py`: every private DeepSpeed symbol glm53_ds touches (`PATCHED_SYMBOLS`), the version check,
   the gradient-sync patch;
-- `mpu.py`: `DeepSpeedMpu`; `fp32_masters.py`: unrounded masters of HF's fp32-kept parameters;
+- `mpu.py`: `DeepSpeedMpu`; `fp32_params.py`: HF's fp32-kept parameters outside DeepSpeed's bf16 cast, with their
+  own reduction, norm share and fp32 optimizer;
 - `checkpoint.py`: training checkpoints (`save_checkpoint` / `load_checkpoint`) and `export_engine_to_hf`.
 """
 

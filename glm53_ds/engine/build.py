@@ -6,10 +6,10 @@ The sequence (every step needed for correctness; docs/parallelism.md explains ea
     prepare_model(model, layout)               expert tags, MoE markers, replicated weights untagged
     register_expert_groups(layout)             megatron's EP / expert-DP groups as DeepSpeed's
     optimizer                                  AdamW over DeepSpeed's MoE parameter groups (or the caller's)
-    kept = fp32_masters.capture(model)         before DeepSpeed's bf16 cast rounds them
+    bf16: Fp32Params(model)                    HF's fp32-kept parameters become fp32 buffers DeepSpeed never casts
     deepspeed.initialize(..., mpu=DeepSpeedMpu(layout))
-    fp32_masters.restore(engine, kept)         the optimizer masters start unrounded
     install_gradient_sync(engine, layout)      ETP pre-average of replicated gradients, global clipping norm
+    bf16: install_fp32_params(engine, side)    their world-mean reduction, global norm, clipping and fp32 optimizer
 The engine carries its layout as `engine.glm53_layout` (checkpoints read it).
 """
 
@@ -31,13 +31,14 @@ from ..layers.moe import Glm53MoE
 from ..parallel.layout import ParallelLayout, init_layout
 from ..parallel.params import is_expert_param
 from ..parallel.state import default_backend, free_port
-from . import fp32_masters
 from .deepspeed_internals import (
     DeepSpeedMoEMarker,
     check_version,
+    install_fp32_params,
     install_gradient_sync,
     register_expert_groups,
 )
+from .fp32_params import Fp32Params
 from .mpu import DeepSpeedMpu
 
 OptimizerArg = torch.optim.Optimizer | Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None
@@ -98,46 +99,56 @@ def decays(name: str, param: torch.Tensor, no_decay_pattern: str | None = None) 
     return not (no_decay_pattern and re.search(no_decay_pattern, name))
 
 
-def optimizer_param_groups(model: nn.Module, no_decay_pattern: str | None = None) -> list[dict[str, Any]]:
-    """Trainable parameters (frozen ones, e.g. the DSA indexer without its loss, stay out) in decay / no-decay
-    groups, each split into DeepSpeed's MoE groups (ZeRO needs experts in groups of their own). Decay groups carry
-    no `weight_decay` (the optimizer's own applies), no-decay groups `weight_decay = 0`. Call after `prepare_model`
-    (the split reads the expert tags)."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+def decay_groups(
+    named: list[tuple[str, torch.Tensor]], no_decay_pattern: str | None = None
+) -> list[dict[str, Any]]:
+    """Decay / no-decay groups of `named` tensors: decay groups carry no `weight_decay` (the optimizer's own
+    applies), no-decay groups `weight_decay = 0`; empty groups are left out."""
     groups: list[dict[str, Any]] = [
         {"params": [p for n, p in named if decays(n, p, no_decay_pattern)], "name": "decay"},
         {"params": [p for n, p in named if not decays(n, p, no_decay_pattern)], "weight_decay": 0.0, "name": "no_decay"},
     ]  # fmt: skip
-    split = split_params_into_different_moe_groups_for_optimizer([g for g in groups if g["params"]])
+    return [g for g in groups if g["params"]]
+
+
+def optimizer_param_groups(model: nn.Module, no_decay_pattern: str | None = None) -> list[dict[str, Any]]:
+    """Trainable parameters (frozen ones, e.g. the DSA indexer without its loss, stay out) in decay / no-decay
+    groups (`decay_groups`), each split into DeepSpeed's MoE groups (ZeRO needs experts in groups of their own).
+    Call after `prepare_model` (the split reads the expert tags)."""
+    named: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    split = split_params_into_different_moe_groups_for_optimizer(decay_groups(named, no_decay_pattern))
     return [g for g in split if g["params"]]
 
 
-def describe_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
-    """One line for the start-up log: tensors and parameters per weight decay, and what is frozen."""
-    by_decay: dict[float, list[torch.Tensor]] = {}
-    for group in optimizer.param_groups:
-        by_decay.setdefault(float(group.get("weight_decay", 0.0)), []).extend(group["params"])
+def describe_param_groups(engine: Any, weight_decay: float, no_decay_pattern: str | None = None) -> str:
+    """One line for the start-up log: trained tensors (the fp32-kept ones of a bf16 engine included) with and
+    without weight decay, and what is frozen, counted from the model (ZeRO flattens the optimizer's groups)."""
+    model = engine.module
+    side = getattr(engine, "glm53_fp32_params", None)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad] + (side.named if side else [])
+    decayed = [p for n, p in named if decays(n, p, no_decay_pattern)]
+    spared = [p for n, p in named if not decays(n, p, no_decay_pattern)]
     frozen = [p for p in model.parameters() if not p.requires_grad]
-    parts = [f"weight decay {wd:g} on {len(ps)} tensors ({sum(p.numel() for p in ps):,} parameters)"
-             for wd, ps in sorted(by_decay.items(), reverse=True)]  # fmt: skip
-    parts.append(f"frozen {len(frozen)} tensors ({sum(p.numel() for p in frozen):,} parameters)")
-    return "; ".join(parts)
+
+    def count(ps: list[torch.Tensor]) -> str:
+        return f"{len(ps)} tensors ({sum(p.numel() for p in ps):,} parameters)"
+
+    return (
+        f"weight decay {weight_decay:g} on {count(decayed)}; none on {count(spared)}; frozen {count(frozen)}"
+    )
 
 
-def _optimizer(
-    model: nn.Module, optimizer: OptimizerArg, ds_config: dict[str, Any], no_decay_pattern: str | None
-) -> torch.optim.Optimizer:
+def _optimizer_factory(
+    optimizer: OptimizerArg, ds_config: dict[str, Any]
+) -> Callable[[list[dict[str, Any]]], torch.optim.Optimizer]:
+    """How to build an optimizer of the engine's kind over given groups (also used for the fp32-kept parameters):
+    the caller's factory, the type and defaults of the caller's optimizer, or AdamW (hyperparameters from the
+    DeepSpeed config's `optimizer` section when it has one)."""
     if isinstance(optimizer, torch.optim.Optimizer):
-        for i, group in enumerate(optimizer.param_groups):
-            kinds = {is_expert_param(p) for p in group["params"]}
-            if len(kinds) > 1:
-                raise ValueError(
-                    f"build_engine: optimizer param group {i} mixes expert and non-expert parameters; pass a "
-                    "factory (optimizer=lambda groups: ...) to receive DeepSpeed's MoE groups"
-                )
-        return optimizer
+        kind, defaults = type(optimizer), dict(optimizer.defaults)
+        return lambda groups: kind(groups, **defaults)
     if optimizer is not None:
-        return optimizer(optimizer_param_groups(model, no_decay_pattern))
+        return optimizer
     section = ds_config.get("optimizer") or {}
     if section and str(section.get("type", "")).lower() not in ("adam", "adamw"):
         raise ValueError(
@@ -146,7 +157,26 @@ def _optimizer(
         )
     params = {**ADAMW_DEFAULTS, **{k: v for k, v in section.get("params", {}).items() if k in ADAMW_DEFAULTS}}
     params["betas"] = tuple(params["betas"])
-    return torch.optim.AdamW(optimizer_param_groups(model, no_decay_pattern), **params)
+    return lambda groups: torch.optim.AdamW(groups, **params)
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    for i, group in enumerate(optimizer.param_groups):
+        if len({is_expert_param(p) for p in group["params"]}) > 1:
+            raise ValueError(
+                f"build_engine: optimizer param group {i} mixes expert and non-expert parameters; pass a "
+                "factory (optimizer=lambda groups: ...) to receive DeepSpeed's MoE groups"
+            )
+    return optimizer
+
+
+def set_learning_rate(engine: Any, lr: float) -> None:
+    """The learning rate of every parameter group, the fp32-kept parameters' optimizer included."""
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
+    side = getattr(engine, "glm53_fp32_params", None)
+    if side is not None:
+        side.set_lr(lr)
 
 
 def build_engine(
@@ -177,12 +207,21 @@ def build_engine(
     prepare_model(model, layout)
     register_expert_groups(layout)
     config = {k: v for k, v in ds_config.items() if k != "optimizer"}  # the optimizer is built here
-    opt = _optimizer(model, optimizer, ds_config, no_decay_pattern)
-    kept = fp32_masters.capture(model)
+    factory = _optimizer_factory(optimizer, ds_config)
+    low_precision = bool(config.get("bf16", {}).get("enabled") or config.get("fp16", {}).get("enabled"))
+    side = Fp32Params(model) if low_precision else None  # before DeepSpeed's cast and flat buffers
+    opt = (
+        _check_optimizer(optimizer)
+        if isinstance(optimizer, torch.optim.Optimizer)
+        else factory(optimizer_param_groups(model, no_decay_pattern))
+    )
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=opt, config=config, mpu=DeepSpeedMpu(layout)
     )
-    fp32_masters.restore(engine, kept)
     install_gradient_sync(engine, layout)
+    if side is not None and len(side):
+        side.finish(factory, lambda named: decay_groups(named, no_decay_pattern))
+        install_fp32_params(engine, side)
+        engine.glm53_fp32_params = side
     engine.glm53_layout = layout
     return engine

@@ -12,8 +12,10 @@ sharing that ETP rank are not in it (the test shows it). Under `<dir>/<tag>/glm5
                                           per ETP rank, which is wrong for expert moments under EP)
     layout.json                           format, EP, ETP, config
 
-In bf16/fp16 runs the parameters HF keeps in fp32 are written from their fp32 optimizer masters
-(`fp32_masters.py`), so checkpoints and exports keep them at full precision and in the released dtypes.
+    fp32_params_optimizer.pt              bf16 runs: the optimizer state of HF's fp32-kept parameters (rank 0)
+
+In bf16 runs the parameters HF keeps in fp32 are fp32 buffers the engine never casts (`fp32_params.py`), so
+checkpoints and exports hold them at full precision, in the released dtypes.
 
 A save builds the whole tag under a fresh temporary name (`<dir>/.<tag>.tmp-<nonce>/`, DeepSpeed's files too),
 checksums every file in parallel over the ranks (each rank a share), writes `manifest.json` last, and only then,
@@ -54,8 +56,9 @@ from ..safe_io import (
     verify_files,
     write_manifest,
 )
-from . import fp32_masters
 from .deepspeed_internals import moe_checkpoint_files_off, weights_only_loads
+
+FP32_PARAMS_OPTIMIZER = "fp32_params_optimizer.pt"  # bf16 runs: the fp32-kept parameters' optimizer state
 
 
 class CheckpointError(ValueError):
@@ -126,11 +129,13 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str, client_state: dict | N
     model = engine.module
     expert_names = {n for n, p in model.named_parameters() if is_expert_param(p)}
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state") and v is not None}
-    state.update(fp32_masters.gather(engine))  # HF's fp32-kept parameters at full precision (collective)
     _write_replicated(model, layout, root, state, expert_names)
     _write_experts(layout, root, state, expert_names)
     if engine.zero_optimization_stage() == 0:
         _atomic_save(engine.optimizer.state_dict(), os.path.join(root, f"optimizer_rank{layout.rank:05d}.pt"))
+    side = getattr(engine, "glm53_fp32_params", None)
+    if side is not None and layout.rank == 0:  # replicated and identical on every rank
+        _atomic_save(side.state_dict(), os.path.join(root, FP32_PARAMS_OPTIMIZER))
     dist.barrier()
     names = _from_rank0(list_files(staged) if layout.rank == 0 else None)
     mine = _share(names)
@@ -234,8 +239,6 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None, verify: 
         raise CheckpointError(
             f"{root}: checkpoint does not match the model: missing {missing[:10]}, unexpected {unexpected[:10]}"
         )
-    kept = {n for n, _ in fp32_masters.fp32_kept_parameters(engine.module)}
-    kept_values = {}
     with torch.no_grad():
         for reader in readers:
             for name, tensor in reader.items():
@@ -244,10 +247,11 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None, verify: 
                         f"{root}: {name} has shape {tuple(tensor.shape)}, the model {tuple(current[name].shape)}"
                     )
                 current[name].copy_(tensor)
-                if name in kept:
-                    kept_values[name] = tensor
-    if meta.get("model_only"):  # no optimizer state: the masters come from the stored (fp32) values
-        fp32_masters.restore(engine, kept_values)
+    side = getattr(engine, "glm53_fp32_params", None)
+    if side is not None and not meta.get("model_only"):
+        with weights_only_loads():
+            side.load_state_dict(torch.load(os.path.join(root, FP32_PARAMS_OPTIMIZER), map_location="cpu",
+                                            weights_only=True))  # fmt: skip
     if engine.zero_optimization_stage() == 0 and not meta.get("model_only"):
         with weights_only_loads():
             state = torch.load(

@@ -5,8 +5,9 @@ glm53_ds needs DeepSpeed to do four things it has no public API for (docs/parall
   2. enable its MoE paths without its MoE layer (a parameter-less marker of its `MoE` type);
   3. reduce replicated gradients over every replica (the gradient-sync patch: pre-average over ETP) and clip by
      the norm of the global-batch gradient;
-  4. keep the fp32 masters of HF's fp32-kept parameters unrounded, load checkpoints whose model files glm53_ds
-     writes itself, and load its pickled files without running code (`weights_only_loads`).
+  4. keep HF's fp32-kept parameters out of its bf16 cast (`fp32_params.py`) yet in its global norm and step, load
+     checkpoints whose model files glm53_ds writes itself, and load its pickled files without running code
+     (`weights_only_loads`).
 `PATCHED_SYMBOLS` lists every private symbol touched here; `docs/parallelism.md` carries the same table and
 `tests/test_engine_internals.py` keeps the two equal and checks that no other module touches these symbols.
 `check_version()` refuses a DeepSpeed outside `SUPPORTED` before anything is patched.
@@ -14,9 +15,10 @@ glm53_ds needs DeepSpeed to do four things it has no public API for (docs/parall
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +29,7 @@ import torch.distributed as dist
 from deepspeed.moe.layer import MoE
 from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
-from deepspeed.utils import groups, safe_get_full_fp32_param, safe_set_full_fp32_param
+from deepspeed.utils import groups
 from deepspeed.utils.tensor_fragment import fragment_address
 from packaging.version import Version
 from torch import nn
@@ -35,6 +37,7 @@ from torch import nn
 from ..parallel.grad_norm import clip_grad_norm
 from ..parallel.layout import ParallelLayout
 from ..parallel.params import is_expert_param, is_sharded_param
+from .fp32_params import Fp32Params
 
 # [low, high): the versions these patches were written against
 SUPPORTED = (Version("0.19.8"), Version("0.20.0"))
@@ -68,9 +71,13 @@ PATCHED_SYMBOLS = (
                   "ETP ranks > 0 hold no replicated gradient to count: a zero placeholder"),
     PatchedSymbol("DeepSpeedEngine.has_moe_layers", "toggled",
                   "off while DeepSpeed loads a checkpoint: the model files are glm53_ds's own"),
-    PatchedSymbol("param._hp_mapping", "read", "which fp32-master accessor applies (ZeRO-1/2, BF16_Optimizer)"),
-    PatchedSymbol("FP16_Optimizer.fp16_groups", "read", "stage-0 bf16/fp16: find a parameter's master"),
-    PatchedSymbol("FP16_Optimizer.fp32_groups", "written", "stage-0 bf16/fp16: set a parameter's master"),
+    PatchedSymbol("DeepSpeedEngine.step", "wrapped",
+                  "bf16: at the boundary, reduce / clip / update HF's fp32-kept parameters (fp32_params.py) too"),
+    PatchedSymbol("DeepSpeedZeroOptimizer.scaled_global_norm", "wrapped",
+                  "bf16 ZeRO-1/2: the fp32-kept parameters' gradients join the global norm once"),
+    PatchedSymbol("FP16_UnfusedOptimizer.unscale_and_clip_grads", "wrapped",
+                  "bf16 stage 0: the same, for its clipping"),
+    PatchedSymbol("FP16_UnfusedOptimizer._global_grad_norm", "written", "the norm with them, as reported"),
     PatchedSymbol("deepspeed.runtime.fp16.loss_scaler.LossScaler", "allowlisted",
                   "plain data in ZeRO optimizer files: may be unpickled by weights_only loads"),
     PatchedSymbol("deepspeed.runtime.zero.config.ZeroStageEnum", "allowlisted", "an enum in ZeRO optimizer files"),
@@ -155,9 +162,14 @@ def _install_norm_fixes(engine: Any, layout: ParallelLayout) -> None:
 
         def get_grads_for_norm(for_clipping: bool = False) -> Any:
             result = original(for_clipping=for_clipping)
-            if not for_clipping and isinstance(result, tuple) and not result[0]:
+            if not for_clipping and isinstance(result, tuple):
                 device = next(engine.module.parameters()).device
-                result[0].append(torch.zeros(1, dtype=torch.float32, device=device))
+                side = getattr(engine, "glm53_fp32_params", None)
+                if side is not None and side.square_norm is not None and layout.etp_rank == 0:
+                    # counted once, as BF16_Optimizer counts replicated gradients: on model-parallel rank 0
+                    result[0].append(side.square_norm.sqrt().reshape(1).to(device))
+                if not result[0]:
+                    result[0].append(torch.zeros(1, dtype=torch.float32, device=device))
             return result
 
         optimizer.get_grads_for_norm = get_grads_for_norm
@@ -236,41 +248,52 @@ def moe_checkpoint_files_off(engine: Any) -> Iterator[None]:
         engine.has_moe_layers = has_moe
 
 
-def _stage0_master(engine: Any, param: nn.Parameter) -> torch.Tensor | None:
+def install_fp32_params(engine: Any, side: Fp32Params) -> None:
+    """Drive `side` (HF's fp32-kept parameters, outside DeepSpeed) with the engine's optimizer step: reduce their
+    gradients and keep their squared norm before DeepSpeed computes its global norm (which the hooks below extend
+    by it, once), then clip them by the same coefficient and update them when DeepSpeed's step was applied."""
     optimizer = engine.optimizer
-    for low, high in zip(
-        getattr(optimizer, "fp16_groups", ()), getattr(optimizer, "fp32_groups", ()), strict=False
-    ):
-        for lp, hp in zip(low, high, strict=False):
-            if lp is param:
-                return hp
-    return None
+    if engine.fp16_enabled():
+        raise ValueError("glm53_ds keeps HF's fp32 parameters out of DeepSpeed's cast under bf16; fp16 (loss "
+                         "scaling) is not supported: use bf16")  # fmt: skip
+    original_step = engine.step
 
+    def step(*args: Any, **kwargs: Any) -> Any:
+        boundary = engine.is_gradient_accumulation_boundary()
+        if boundary:
+            side.reduce()
+        try:
+            result = original_step(*args, **kwargs)
+            if boundary and engine.was_step_applied():
+                norm = engine.get_global_grad_norm()
+                side.clip_and_step(float(norm) if norm is not None else 0.0, engine.gradient_clipping())
+        finally:
+            if boundary:
+                side.zero_grad()
+        return result
 
-def fp32_master_accessors(
-    engine: Any, param: nn.Parameter
-) -> tuple[Callable[[], torch.Tensor | None], Callable[[torch.Tensor], None]] | None:
-    """(get, set) of `param`'s fp32 optimizer master, or None when its optimizer keeps none.
+    engine.step = step
+    if hasattr(optimizer, "scaled_global_norm"):  # ZeRO-1/2
+        original_norm = optimizer.scaled_global_norm
 
-    ZeRO 1/2/3 and BF16_Optimizer through DeepSpeed's public `safe_get/set_full_fp32_param` (get is collective
-    under ZeRO); the stage-0 bf16/fp16 optimizer through its `fp16_groups` / `fp32_groups` pairs."""
-    if hasattr(param, "_hp_mapping") or hasattr(param, "ds_id"):
+        def scaled_global_norm(norm_type: int = 2) -> Any:
+            norm = original_norm(norm_type)
+            extra = side.square_norm
+            if extra is None or float(norm) < 0:  # no side gradients, or DeepSpeed's invalid-norm sentinel
+                return norm
+            norm = torch.as_tensor(norm, dtype=torch.float32)
+            return torch.sqrt(norm.square() + extra.to(norm.device) * float(optimizer.loss_scale) ** 2)
 
-        def get_zero() -> torch.Tensor | None:
-            return safe_get_full_fp32_param(param)
+        optimizer.scaled_global_norm = scaled_global_norm
+    elif not hasattr(optimizer, "get_grads_for_norm") and hasattr(
+        optimizer, "unscale_and_clip_grads"
+    ):  # stage 0
+        original_clip = optimizer.unscale_and_clip_grads
 
-        def set_zero(value: torch.Tensor) -> None:
-            safe_set_full_fp32_param(param, value)
+        def unscale_and_clip_grads(total_norm: Any, apply_scale: bool = True) -> Any:
+            if side.square_norm is not None:
+                total_norm = math.sqrt(float(total_norm) ** 2 + float(side.square_norm))
+                optimizer._global_grad_norm = total_norm
+            return original_clip(total_norm, apply_scale)
 
-        return get_zero, set_zero
-    master = _stage0_master(engine, param)
-    if master is None:
-        return None
-
-    def get_stage0() -> torch.Tensor | None:
-        return master
-
-    def set_stage0(value: torch.Tensor) -> None:
-        master.data.copy_(value.reshape(master.shape))
-
-    return get_stage0, set_stage0
+        optimizer.unscale_and_clip_grads = unscale_and_clip_grads

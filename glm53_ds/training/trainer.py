@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from ..config import Glm53Config
 from ..engine import build_engine, export_engine_to_hf, init_distributed, load_checkpoint, save_checkpoint
-from ..engine.build import describe_param_groups
+from ..engine.build import describe_param_groups, set_learning_rate
 from ..engine.checkpoint import verify_checkpoint
 from ..hf_loader import SafetensorsCheckpoint, checkpoint_has_mtp, load_hf_state_into
 from ..layers.moe import update_router_bias
@@ -181,7 +181,7 @@ class Trainer:
                                    no_decay_pattern=c.no_decay_pattern)  # fmt: skip
         if self.rank == 0:
             print(
-                f"optimizer: {describe_param_groups(self.engine.module, self.engine.optimizer)}",
+                f"optimizer: {describe_param_groups(self.engine, c.weight_decay, c.no_decay_pattern)}",
                 file=sys.stderr,
             )
         if c.load:
@@ -250,8 +250,7 @@ class Trainer:
         assert self.stream is not None
         started = time.perf_counter()
         lr = c.lr_at(step)
-        for group in engine.optimizer.param_groups:
-            group["lr"] = lr
+        set_learning_rate(engine, lr)
         parts: list[LossParts] = []
         for micro in range(self.gas):
             # a sample is seq_length + 1 tokens; the model takes HF-style labels aligned with its input and
