@@ -100,15 +100,8 @@ def probe_writable(target: str, option: str) -> None:
         raise OutputPathError(f"{option} {target!r}: cannot write in {probe_dir!r} ({e.strerror})") from e
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_file(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """Flush a file's data, or a directory's entries (after a rename in it), to the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -124,7 +117,7 @@ def atomic_write_text(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
 def new_temp_dir(final: str) -> str:
@@ -139,8 +132,8 @@ def publish_dir(tmp: str, final: str) -> None:
     `tmp` replaces its namesake in `final`, and nothing else in `final` is touched. `tmp` is gone afterwards."""
     for directory, _, files in os.walk(tmp):
         for name in files:
-            fsync_file(os.path.join(directory, name))
-        fsync_dir(directory)
+            fsync_path(os.path.join(directory, name))
+        fsync_path(directory)
     if os.path.isdir(final) and not os.listdir(final):
         os.rmdir(final)  # empty: nothing to lose
     if not os.path.exists(final):
@@ -152,9 +145,9 @@ def publish_dir(tmp: str, final: str) -> None:
             os.makedirs(dest_dir, exist_ok=True)
             for name in files:
                 os.replace(os.path.join(directory, name), os.path.join(dest_dir, name))
-            fsync_dir(dest_dir)
+            fsync_path(dest_dir)
         shutil.rmtree(tmp)
-    fsync_dir(os.path.dirname(_real(final)))
+    fsync_path(os.path.dirname(_real(final)))
 
 
 @contextlib.contextmanager

@@ -47,8 +47,7 @@ from ..parallel.params import is_expert_param
 from ..safe_io import (
     atomic_write_text,
     describe_files,
-    fsync_dir,
-    fsync_file,
+    fsync_path,
     list_files,
     new_temp_dir,
     read_manifest,
@@ -140,18 +139,18 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str, client_state: dict | N
     names = _from_rank0(list_files(staged) if layout.rank == 0 else None)
     mine = _share(names)
     for name in mine:
-        fsync_file(os.path.join(staged, name))
+        fsync_path(os.path.join(staged, name))
     entries = {k: v for part in _gather(describe_files(staged, mine)) for k, v in part.items()}
     if layout.rank == 0:
         write_manifest(staged, entries)
         for directory in {os.path.dirname(os.path.join(staged, n)) for n in names} | {staged}:
-            fsync_dir(directory)
+            fsync_path(directory)
         old = None
         if os.path.exists(final):  # a re-save of this tag: the new one replaces it whole
             old = os.path.join(save_dir, f".{tag}.old-{staging.rsplit('-', 1)[1]}")
             os.replace(final, old)
         os.replace(staged, final)
-        fsync_dir(save_dir)
+        fsync_path(save_dir)
         if old is not None:
             shutil.rmtree(old)
         atomic_write_text(os.path.join(save_dir, "latest"), tag)
