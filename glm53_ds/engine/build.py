@@ -9,7 +9,7 @@ The sequence (every step needed for correctness; docs/parallelism.md explains ea
     bf16: Fp32Params(model)                    HF's fp32-kept parameters become fp32 buffers DeepSpeed never casts
     deepspeed.initialize(..., mpu=DeepSpeedMpu(layout))
     install_gradient_sync(engine, layout)      ETP pre-average of replicated gradients, global clipping norm
-    bf16: install_fp32_params(engine, side)    their world-mean reduction, global norm, clipping and fp32 optimizer
+    bf16: install_fp32_params(engine, ...)     their world-mean reduction, global norm, clipping and fp32 optimizer
 The engine carries its layout as `engine.glm53_layout` (checkpoints read it).
 """
 
@@ -221,7 +221,7 @@ def build_engine(
     install_gradient_sync(engine, layout)
     if side is not None and len(side):
         side.finish(factory, lambda named: decay_groups(named, no_decay_pattern))
-        install_fp32_params(engine, side)
+        install_fp32_params(engine, side, layout)
         engine.glm53_fp32_params = side
     engine.glm53_layout = layout
     return engine

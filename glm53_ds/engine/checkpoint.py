@@ -11,7 +11,6 @@ sharing that ETP rank are not in it (the test shows it). Under `<dir>/<tag>/glm5
     optimizer_rank<RRRRR>.pt              stage 0 only: each rank's optimizer state (DeepSpeed saves one copy
                                           per ETP rank, which is wrong for expert moments under EP)
     layout.json                           format, EP, ETP, config
-
     fp32_params_optimizer.pt              bf16 runs: the optimizer state of HF's fp32-kept parameters (rank 0)
 
 In bf16 runs the parameters HF keeps in fp32 are fp32 buffers the engine never casts (`fp32_params.py`), so

@@ -68,7 +68,7 @@ PATCHED_SYMBOLS = (
                   "stage 0 fp32: clip by the global-batch norm, not a DP average of per-rank norms"),
     PatchedSymbol("DeepSpeedEngine._global_grad_norm", "written", "the norm the replacement computed"),
     PatchedSymbol("BF16_Optimizer.get_grads_for_norm", "wrapped",
-                  "ETP ranks > 0 hold no replicated gradient to count: a zero placeholder"),
+                  "ETP ranks > 0 hold no replicated gradient to count: a zero placeholder; bf16: the fp32-kept parameters' norm"),
     PatchedSymbol("DeepSpeedEngine.has_moe_layers", "toggled",
                   "off while DeepSpeed loads a checkpoint: the model files are glm53_ds's own"),
     PatchedSymbol("DeepSpeedEngine.step", "wrapped",
@@ -162,14 +162,9 @@ def _install_norm_fixes(engine: Any, layout: ParallelLayout) -> None:
 
         def get_grads_for_norm(for_clipping: bool = False) -> Any:
             result = original(for_clipping=for_clipping)
-            if not for_clipping and isinstance(result, tuple):
+            if not for_clipping and isinstance(result, tuple) and not result[0]:
                 device = next(engine.module.parameters()).device
-                side = getattr(engine, "glm53_fp32_params", None)
-                if side is not None and side.square_norm is not None and layout.etp_rank == 0:
-                    # counted once, as BF16_Optimizer counts replicated gradients: on model-parallel rank 0
-                    result[0].append(side.square_norm.sqrt().reshape(1).to(device))
-                if not result[0]:
-                    result[0].append(torch.zeros(1, dtype=torch.float32, device=device))
+                result[0].append(torch.zeros(1, dtype=torch.float32, device=device))
             return result
 
         optimizer.get_grads_for_norm = get_grads_for_norm
@@ -248,7 +243,7 @@ def moe_checkpoint_files_off(engine: Any) -> Iterator[None]:
         engine.has_moe_layers = has_moe
 
 
-def install_fp32_params(engine: Any, side: Fp32Params) -> None:
+def install_fp32_params(engine: Any, side: Fp32Params, layout: ParallelLayout) -> None:
     """Drive `side` (HF's fp32-kept parameters, outside DeepSpeed) with the engine's optimizer step: reduce their
     gradients and keep their squared norm before DeepSpeed computes its global norm (which the hooks below extend
     by it, once), then clip them by the same coefficient and update them when DeepSpeed's step was applied."""
@@ -285,9 +280,19 @@ def install_fp32_params(engine: Any, side: Fp32Params) -> None:
             return torch.sqrt(norm.square() + extra.to(norm.device) * float(optimizer.loss_scale) ** 2)
 
         optimizer.scaled_global_norm = scaled_global_norm
-    elif not hasattr(optimizer, "get_grads_for_norm") and hasattr(
-        optimizer, "unscale_and_clip_grads"
-    ):  # stage 0
+    elif hasattr(optimizer, "get_grads_for_norm"):  # BF16_Optimizer
+        original_grads = optimizer.get_grads_for_norm
+
+        def get_grads_for_norm(for_clipping: bool = False) -> Any:
+            result = original_grads(for_clipping=for_clipping)
+            if not for_clipping and side.square_norm is not None and layout.etp_rank == 0:
+                # counted once, as BF16_Optimizer counts replicated gradients: on model-parallel rank 0
+                device = next(engine.module.parameters()).device
+                result[0].append(side.square_norm.sqrt().reshape(1).to(device))
+            return result
+
+        optimizer.get_grads_for_norm = get_grads_for_norm
+    elif hasattr(optimizer, "unscale_and_clip_grads"):  # stage-0 bf16 optimizer
         original_clip = optimizer.unscale_and_clip_grads
 
         def unscale_and_clip_grads(total_norm: Any, apply_scale: bool = True) -> Any:
