@@ -1,7 +1,9 @@
 """glm53_ds: GLM-5.3-Flash (transformers `glm5_next`) on megatron-core layer specs, trained with DeepSpeed.
 
-Entry points: `Glm53Config`, `make_transformer_config(cfg, dtype)`, `build_model(config, dtype)`,
-`load_hf(hf_dir, dtype)`, `build_engine(model, ds_config, optimizer=None, layout=None)`.
+Entry points: `Glm53Config`, `make_transformer_config(cfg, dtype, mtp=False)`, `build_model(config, dtype)`,
+`load_hf(hf_dir, dtype)`, `load_hf_into(model, hf_dir)` (a `Glm53Model` or a stock megatron `GPTModel`),
+`get_glm53_block_spec(cfg)` / `get_glm53_mtp_block_spec(cfg)` (megatron specs),
+`build_engine(model, ds_config, optimizer=None, layout=None)`.
 
 The model half (config, mhc, layers, model, specs) never imports DeepSpeed: `build_engine` is resolved on first
 use (module `__getattr__`), so `import glm53_ds` and every model module stay DeepSpeed-free.
@@ -12,14 +14,25 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .config import Glm53Config
-from .hf_loader import load_hf
+from .hf_loader import load_hf, load_hf_into
 from .model import Glm53Model, build_model
+from .specs import get_glm53_block_spec, get_glm53_mtp_block_spec
 from .transformer_config import make_transformer_config
 
 if TYPE_CHECKING:
     from .engine import build_engine
 
-__all__ = ["Glm53Config", "Glm53Model", "build_engine", "build_model", "load_hf", "make_transformer_config"]
+__all__ = [
+    "Glm53Config",
+    "Glm53Model",
+    "build_engine",
+    "build_model",
+    "get_glm53_block_spec",
+    "get_glm53_mtp_block_spec",
+    "load_hf",
+    "load_hf_into",
+    "make_transformer_config",
+]
 __version__ = "0.1.0"
 
 

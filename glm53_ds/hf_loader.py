@@ -1,4 +1,6 @@
-"""`load_hf(hf_dir)`: a released GLM-5.3 checkpoint (config.json + sharded safetensors) -> a ready Glm53Model.
+"""`load_hf(hf_dir)`: a released GLM-5.3 checkpoint (config.json + sharded safetensors) -> a ready Glm53Model;
+`load_hf_into(model, hf_dir)`: the same checkpoint into a model the caller built, a `Glm53Model` or a stock
+megatron `GPTModel` from the GLM-5.3 specs (any pipeline stage; each rank reads only what it holds).
 
 Tensors are read one at a time (safetensors mmap) and copied into the model's parameters through the name
 table in `convert/names.py`. Every problem is collected and reported together, naming tensors: missing ones
@@ -11,9 +13,12 @@ MTP: loaded when the checkpoint has the MTP layer (`layers.<num_hidden_layers>.*
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from megatron.core.models.gpt import GPTModel
 from torch import nn
 
 from .config import Glm53Config
@@ -28,8 +33,13 @@ from .convert.names import (
     split_to_released,
 )
 from .layers.moe import GroupedExperts
-from .model import Glm53Model, build_model
+from .model import Glm53Model, build_model, freeze_padding_row
 from .parallel.expert_shard import ExpertShard
+from .transformer_config import Glm53TransformerConfig
+from .transformer_layer import Glm53TransformerLayer
+
+# Native (Glm53Model) parameter name -> the names that hold it in the model being filled; [] = not on this rank.
+NameMap = Callable[[str], list[str]]
 
 
 class CheckpointError(ValueError):
@@ -79,18 +89,40 @@ def _wanted(name: str, shard: ExpertShard) -> bool:
     return expert is None or shard.owns(expert[0])
 
 
-def load_hf_state_into(model: Glm53Model, checkpoint: SafetensorsCheckpoint, mtp: bool) -> None:
-    """Fill `model` from a released checkpoint; each rank reads only the expert tensors of its own shard."""
-    cfg = model.glm
+def load_hf_state_into(
+    model: nn.Module,
+    checkpoint: SafetensorsCheckpoint,
+    mtp: bool,
+    cfg: Glm53Config | None = None,
+    name_map: NameMap | None = None,
+) -> None:
+    """Fill `model` from a released checkpoint; each rank reads only the tensors it holds (its expert shard, its
+    pipeline stage). `cfg` defaults to `model.glm`; `name_map` (default: the identity, a `Glm53Model`) places
+    native names into another model's state dict."""
+    if cfg is None:
+        assert isinstance(model, Glm53Model), "pass cfg for a model other than Glm53Model"
+        cfg = model.glm
     shard = model_expert_shard(model, cfg)
-    layout = released_layout(cfg, mtp=mtp)
+    full_layout = released_layout(cfg, mtp=mtp)
+    rename = name_map or (lambda native: [native])
+    layout = {
+        released: [Placement(name, p.index) for p in placements for name in rename(p.native)]
+        for released, placements in full_layout.items()
+    }
+    held = {released for released, placements in layout.items() if placements}
     state = model.state_dict()
     filled: dict[str, int] = {}
     seen: set[str] = set()
     unexpected: list[str] = []
     mismatched: list[str] = []
 
-    names = [n for n in checkpoint.keys() if (c := canonical_text_name(n)) is None or _wanted(c, shard)]
+    def wanted(raw: str) -> bool:
+        name = canonical_text_name(raw)
+        if name is None or name not in full_layout or name in held:
+            return name is None or _wanted(name, shard)
+        return False  # a tensor of another pipeline stage
+
+    names = [n for n in checkpoint.keys() if wanted(n)]
     for raw_name, tensor in checkpoint.tensors(names):
         name = canonical_text_name(raw_name)
         if name is None or is_mtp_shared_duplicate(name, cfg):
@@ -102,6 +134,8 @@ def load_hf_state_into(model: Glm53Model, checkpoint: SafetensorsCheckpoint, mtp
             if placements is None:
                 unexpected.append(raw_name if released == name else f"{raw_name} (as {released})")
                 continue
+            if not placements:
+                continue  # this part of a fused tensor lives on another pipeline stage
             if released in seen:
                 unexpected.append(f"{raw_name} (duplicate of {released})")
                 continue
@@ -122,7 +156,7 @@ def load_hf_state_into(model: Glm53Model, checkpoint: SafetensorsCheckpoint, mtp
                     target.copy_(part.to(target.dtype))
                 filled[p.native] = filled.get(p.native, 0) + target.numel()
 
-    missing = [n for n in layout if n not in seen and _wanted(n, shard)]
+    missing = [n for n in held if n not in seen and _wanted(n, shard)]
     problems = []
     if missing:
         problems.append(f"missing {len(missing)} tensor(s): {_listing(missing)}")
@@ -134,13 +168,13 @@ def load_hf_state_into(model: Glm53Model, checkpoint: SafetensorsCheckpoint, mtp
         raise CheckpointError(
             f"checkpoint {checkpoint.directory} does not match the model: " + "; ".join(problems)
         )
-    incomplete = [
-        k
-        for k in state
-        if k in {p.native for ps in layout.values() for p in ps} and filled.get(k, 0) != state[k].numel()
-    ]
+    targets = {p.native for ps in layout.values() for p in ps}
+    incomplete = [k for k in state if k in targets and filled.get(k, 0) != state[k].numel()]
     if incomplete:
         raise CheckpointError(f"parameters not fully covered by the checkpoint: {_listing(incomplete)}")
+    uncovered = [k for k, _ in model.named_parameters() if k not in targets]
+    if uncovered:
+        raise CheckpointError(f"model parameters the checkpoint does not provide: {_listing(uncovered)}")
 
 
 def load_hf(
@@ -155,6 +189,94 @@ def load_hf(
     model = build_model(cfg, dtype=dtype, mtp=use_mtp, **overrides)
     load_hf_state_into(model, checkpoint, mtp=use_mtp)
     return model
+
+
+def load_hf_into(model: nn.Module, hf_dir: str) -> nn.Module:
+    """Fill a model the caller built, a `Glm53Model` or a stock megatron `GPTModel` from `get_glm53_block_spec`
+    (any pipeline stage; MTP when it was built with `mtp_block_spec`), from the released checkpoint in `hf_dir`.
+
+    Each rank reads only what it holds. The model's GLM config must equal the checkpoint's; a `GPTModel` must use
+    `position_embedding_type="none"`, the checkpoint's vocabulary and its tie_word_embeddings. Errors name the
+    offending option, or every missing / unexpected / wrong-shape tensor. A GPTModel's embedding also gets
+    transformers' padding_idx rule (the pad token's row receives no gradient). Returns the model."""
+    cfg = Glm53Config.from_hf(hf_dir)
+    if isinstance(model, Glm53Model):
+        _check_same_config(model.glm, cfg)
+        mtp, name_map = model.mtp is not None, None
+    elif isinstance(model, GPTModel):
+        _check_gpt_model(model, cfg)
+        mtp, name_map = model.mtp_process, gpt_model_names(model)
+    else:
+        raise TypeError(f"load_hf_into fills a Glm53Model or a megatron GPTModel, got {type(model).__name__}")
+    load_hf_state_into(model, SafetensorsCheckpoint(hf_dir), mtp=mtp, cfg=cfg, name_map=name_map)
+    if isinstance(model, GPTModel) and hasattr(model, "embedding"):
+        freeze_padding_row(model.embedding.word_embeddings.weight, cfg)  # as transformers' padding_idx
+    return model
+
+
+def _check_same_config(model_cfg: Glm53Config, cfg: Glm53Config) -> None:
+    differ = [
+        f"{k}: model {v!r}, checkpoint {getattr(cfg, k)!r}"
+        for k, v in vars(model_cfg).items()
+        if v != getattr(cfg, k)
+    ]
+    if differ:
+        raise CheckpointError(
+            f"the model was built from another GLM config than the checkpoint's: {_listing(differ)}"
+        )
+
+
+def _check_gpt_model(model: GPTModel, cfg: Glm53Config) -> None:
+    """Refuse a GPTModel that cannot compute GLM-5.3, naming the option, before reading anything."""
+    config = model.config
+    if not isinstance(config, Glm53TransformerConfig):
+        raise CheckpointError(
+            f"GPTModel config is a {type(config).__name__}; build it with glm53_ds.make_transformer_config(cfg)"
+        )
+    if model.position_embedding_type != "none":
+        raise CheckpointError(
+            f"GPTModel was built with position_embedding_type={model.position_embedding_type!r}; GLM-5.3 has no "
+            f"position embedding (NoPE MLA, KDA): use position_embedding_type='none'"
+        )
+    if model.vocab_size != cfg.vocab_size:
+        raise CheckpointError(
+            f"GPTModel vocab_size={model.vocab_size} does not match the checkpoint's vocab_size={cfg.vocab_size}"
+        )
+    if model.share_embeddings_and_output_weights != cfg.tie_word_embeddings:
+        raise CheckpointError(
+            f"GPTModel share_embeddings_and_output_weights={model.share_embeddings_and_output_weights} but the "
+            f"checkpoint's tie_word_embeddings={cfg.tie_word_embeddings}"
+        )
+    layers = list(model.decoder.layers)
+    if not all(isinstance(layer, Glm53TransformerLayer) for layer in layers):
+        raise CheckpointError("GPTModel decoder was not built from glm53_ds.specs.get_glm53_block_spec")
+    _check_same_config(config.glm, cfg)
+
+
+def gpt_model_names(model: GPTModel) -> NameMap:
+    """Native names -> the names a `GPTModel` stage holds them under ([] when another stage holds them)."""
+    state = set(model.state_dict())
+    local = {layer.layer_number - 1: i for i, layer in enumerate(model.decoder.layers)}  # global -> local
+    tied = model.share_embeddings_and_output_weights
+    layer_name = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+    mtp_name = re.compile(r"mtp\.(\d+)\.(.+)")
+
+    def names(native: str) -> list[str]:
+        if native == "embedding.weight":
+            out = ["embedding.word_embeddings.weight"]
+            out += ["output_layer.weight"] if tied else []  # a last stage without the embedding keeps a copy
+        elif native == "final_norm.weight":
+            out = ["decoder.final_layernorm.weight"]
+        elif m := layer_name.fullmatch(native):
+            g = int(m.group(1))
+            out = [f"decoder.layers.{local[g]}.{m.group(2)}"] if g in local else []
+        elif m := mtp_name.fullmatch(native):
+            out = [f"mtp.layers.{m.group(1)}.{m.group(2)}"]
+        else:
+            out = [native]
+        return [n for n in out if n in state]
+
+    return names
 
 
 def _listing(names: list[str], limit: int = 20) -> str:

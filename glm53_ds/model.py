@@ -1,8 +1,12 @@
 """`Glm53Model`: GLM-5.3-Flash text model on megatron-core.
 
-    input_ids [b, s] -> embedding [s, b, D] -> expand_streams [s, b, n, D] -> TransformerBlock (GLM layers)
-    -> hc_head (mean over streams) [s, b, D] -> final RMSNorm -> output layer -> logits [b, s, V] (fp32)
-    (+ MTP on the stream mean, see layers/mtp.py)
+    input_ids [b, s] -> embedding [s, b, D] -> TransformerBlock (the GLM-5.3 block spec: the first layer expands
+    the hc_mult streams, layers hand them on packed [s*n, b, D]) -> final_norm.stream_mean [s, b, D]
+    -> final_norm (RMSNorm) -> output layer -> logits [b, s, V] (fp32)      (+ MTP on the stream mean, layers/mtp.py)
+
+The decoder is built from the same spec a stock megatron `GPTModel` uses (specs.py); the block's final norm is
+built from the spec's `layer_norm` as `final_norm` here, outside the block, because MTP reads the stream mean
+before it (docs/mtp.md). Parameter names are the native checkpoint names (convert/names.py).
 
 `model(input_ids, attention_mask=None, labels=None)` returns logits, or the loss when labels are given
 (HF convention: labels aligned with input_ids, shifted inside; -100 ignored). With MTP the loss is
@@ -26,8 +30,7 @@ from torch import nn
 
 from .config import Glm53Config
 from .layers.linear import ColumnLinear
-from .layers.norm import RMSNorm
-from .mhc import expand_streams, hc_head
+from .layers.mtp import Glm53MtpLayer, shift_left
 from .parallel import ensure_model_parallel
 from .specs import get_glm53_block_spec, get_glm53_mtp_block_spec
 from .transformer_config import Glm53TransformerConfig, make_transformer_config
@@ -88,24 +91,24 @@ class Glm53Model(nn.Module):
         self.embedding = VocabParallelEmbedding(
             cfg.vocab_size, cfg.hidden_size, init_method=config.init_method, config=config
         )
-        if cfg.pad_token_id is not None and 0 <= cfg.pad_token_id < cfg.vocab_size:
-            # HF's nn.Embedding(padding_idx=...) never updates the padding row.
-            pad = cfg.pad_token_id
-            self.embedding.weight.register_hook(
-                lambda g: g.index_fill(0, torch.tensor([pad], device=g.device), 0.0)
-            )
+        freeze_padding_row(self.embedding.weight, cfg)
+        block_spec = get_glm53_block_spec(cfg)
         self.decoder = TransformerBlock(
-            config, get_glm53_block_spec(cfg), post_layer_norm=False, pg_collection=pg_collection
+            config, block_spec, post_layer_norm=False, pg_collection=pg_collection
         )
-        self.final_norm = RMSNorm(config, cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.final_norm = build_module(
+            block_spec.layer_norm, config=config, hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps
+        )
         self.output_layer = ColumnLinear(config, cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.output_layer.weight = self.embedding.weight
         use_mtp = cfg.num_nextn_predict_layers > 0 if mtp is None else mtp
         self.mtp = (
             nn.ModuleList(
-                build_module(spec, config=config, pg_collection=pg_collection)
-                for spec in get_glm53_mtp_block_spec(cfg).layer_specs
+                build_module(
+                    spec, config=config, layer_number=depth, pg_collection=pg_collection, standalone=True
+                )
+                for depth, spec in enumerate(get_glm53_mtp_block_spec(cfg).layer_specs, start=1)
             )
             if use_mtp
             else None
@@ -127,7 +130,7 @@ class Glm53Model(nn.Module):
         if next_tokens is not None and labels is not None:
             labels = torch.cat([labels, next_tokens.to(labels.dtype)], dim=1)
         hidden = self._hidden(input_ids, mask)  # [s, b, D]
-        logits = self._logits(self.final_norm(hidden))
+        logits = self._logits(self.final_norm.normalize(hidden))
         if labels is None:
             return logits
         lm_loss = causal_lm_loss(logits, labels, shift=1)
@@ -155,10 +158,10 @@ class Glm53Model(nn.Module):
         return self.output_layer(normed).float().transpose(0, 1)  # [s, b, V] -> [b, s, V]
 
     def _hidden(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Embedding -> streams -> decoder -> stream mean [s, b, D] (before the final norm; MTP reads it)."""
+        """Embedding -> decoder (streams) -> stream mean [s, b, D] (before the final norm; MTP reads it)."""
         x = self.embedding(input_ids).transpose(0, 1)  # [b, s, D] -> [s, b, D]
-        streams = self.decoder(expand_streams(x, self.glm.hc_mult), attention_mask=mask)  # [s, b, n, D]
-        return hc_head(streams)
+        packed = self.decoder(x, attention_mask=mask)  # [s*n, b, D]
+        return self.final_norm.stream_mean(packed)
 
     def _mtp_normed(
         self, hidden: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor
@@ -167,8 +170,9 @@ class Glm53Model(nn.Module):
         assert self.mtp is not None
         out = []
         for depth, layer in enumerate(self.mtp, start=1):
-            next_ids, next_mask = shift_left(input_ids, mask, depth)
-            hidden, normed = layer(hidden, self.embedding(next_ids).transpose(0, 1), mask & next_mask)
+            assert isinstance(layer, Glm53MtpLayer)
+            next_ids, next_mask = shift_left(input_ids, depth), shift_left(mask, depth)
+            hidden, normed = layer.predict(hidden, self.embedding(next_ids).transpose(0, 1), mask & next_mask)
             out.append(normed)
         return out
 
@@ -204,14 +208,14 @@ class Glm53Model(nn.Module):
         return attention_mask.bool()
 
 
-def shift_left(ids: torch.Tensor, mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids[:, t + k], mask[:, t + k]) with positions past the end filled by id 0 / False."""
-    shifted_ids = torch.zeros_like(ids)
-    shifted_mask = torch.zeros_like(mask)
-    if k < ids.shape[1]:
-        shifted_ids[:, :-k] = ids[:, k:]
-        shifted_mask[:, :-k] = mask[:, k:]
-    return shifted_ids, shifted_mask
+def freeze_padding_row(embedding_weight: nn.Parameter, cfg: Glm53Config) -> None:
+    """transformers' `nn.Embedding(padding_idx=pad_token_id)`: the padding token's row gets no gradient.
+    Idempotent (a GPTModel's embedding gets it from `load_hf_into`)."""
+    pad = cfg.pad_token_id
+    if pad is None or not 0 <= pad < cfg.vocab_size or getattr(embedding_weight, "_glm53_padding_row", False):
+        return
+    embedding_weight.register_hook(lambda g: g.index_fill(0, torch.tensor([pad], device=g.device), 0.0))
+    embedding_weight._glm53_padding_row = True  # type: ignore[attr-defined]
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, shift: int) -> torch.Tensor:

@@ -1,27 +1,32 @@
-"""Megatron layer specs for GLM-5.3-Flash, for use in any megatron-core model.
+"""Megatron layer specs for GLM-5.3-Flash: the whole decoder, for a stock megatron-core `GPTModel`.
 
-    from glm53_ds.specs import get_glm53_block_spec
-    block = TransformerBlock(transformer_config, get_glm53_block_spec(cfg), post_layer_norm=False)
+    tconfig = glm53_ds.make_transformer_config(cfg, dtype)
+    model = GPTModel(tconfig, get_glm53_block_spec(cfg), vocab_size=cfg.vocab_size, max_sequence_length=S,
+                     position_embedding_type="none", mtp_block_spec=get_glm53_mtp_block_spec(cfg))  # MTP optional
 
-`layer_number` is 1-based, as megatron numbers layers; the MTP layer is `num_hidden_layers + 1` (checkpoint
-index `num_hidden_layers`). Decoder layers carry mHC streams `[s, b, hc_mult, h]`; the MTP layer does not.
+The block spec owns the mHC stream lifecycle: its first layer expands the embedding `[s, b, h]` into hc_mult
+streams, the layers hand the streams on packed as `[s*hc_mult, b, h]`, and its `layer_norm` (the block's final
+norm) averages them and applies the final RMSNorm, so the block maps `[s, b, h] -> [s, b, h]` like any megatron
+decoder. `layer_number` is 1-based, as megatron numbers layers; the MTP layer is `num_hidden_layers + 1`
+(checkpoint index `num_hidden_layers`). Pipeline stages: `get_glm53_block_spec(tconfig, pp_rank=r)` returns the
+layers of stage r (megatron's split rules); docs/usage.md has the rest.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlockSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from .config import Glm53Config
 from .layers.kda import KimiDeltaAttention
 from .layers.mla import SparseMLA
 from .layers.moe import Glm53MoE
 from .layers.mtp import Glm53MtpLayer, Glm53MtpSubmodules
-from .layers.norm import RMSNorm
+from .layers.norm import RMSNorm, StreamMeanRMSNorm
 from .mhc import HyperConnection
 from .transformer_config import Glm53TransformerConfig
 from .transformer_layer import Glm53LayerSubmodules, Glm53TransformerLayer
@@ -77,31 +82,55 @@ def get_glm53_layer_spec(config: Glm53Config | Glm53TransformerConfig, layer_num
         attn_hc=None if is_mtp else _hyper_connection_spec(cfg),
         ffn_hc=None if is_mtp else _hyper_connection_spec(cfg),
     )
-    return ModuleSpec(module=Glm53TransformerLayer, submodules=submodules)
+    params = dict(expands_streams=True) if index == 0 else {}
+    return ModuleSpec(module=Glm53TransformerLayer, params=params, submodules=submodules)
 
 
-def get_glm53_block_spec(config: Glm53Config | Glm53TransformerConfig) -> TransformerBlockSubmodules:
-    """All decoder layers; the block's final norm is left to the model (the streams are averaged first)."""
+def get_glm53_block_spec(
+    config: Glm53Config | Glm53TransformerConfig, vp_stage: int | None = None, pp_rank: int | None = None
+) -> TransformerBlockSubmodules:
+    """The decoder layers of one pipeline stage (all of them without pipeline parallelism) and the final
+    stream-mean + RMSNorm as the block's `layer_norm`.
+
+    A `Glm53TransformerConfig` with `pipeline_model_parallel_size > 1` selects stage `pp_rank` (default: megatron's
+    current pipeline rank) by megatron's own split (`num_layers_in_first/last_pipeline_stage`, layouts). A stage may
+    not begin with a 'shared' DSA layer: its top-k selection comes from the previous layer, and megatron's
+    pipeline sends only the hidden states."""
     cfg = _glm(config)
-    return TransformerBlockSubmodules(
-        layer_specs=[get_glm53_layer_spec(cfg, i + 1) for i in range(cfg.num_hidden_layers)], layer_norm=None
-    )
+    specs = [get_glm53_layer_spec(cfg, i + 1) for i in range(cfg.num_hidden_layers)]
+    if isinstance(config, Glm53TransformerConfig) and config.pipeline_model_parallel_size > 1:
+        offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
+        count = get_num_layers_to_build(config, vp_stage, pp_rank)
+        _check_stage_start(cfg, offset, count)
+        specs = specs[offset : offset + count]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=StreamMeanRMSNorm)
 
 
-@dataclass
-class Glm53MtpBlockSubmodules:
-    layer_specs: list[ModuleSpec] = field(default_factory=list)
+def _check_stage_start(cfg: Glm53Config, offset: int, count: int) -> None:
+    """Refuse a stage that starts with a 'shared' DSA layer (its selection comes from the previous layer, which
+    then sits on the previous stage; the config guarantees a shared layer directly follows a full one)."""
+    i = offset
+    if count > 0 and cfg.layer_types[i] == "indexed_attention" and cfg.indexer_types[i] == "shared":
+        raise ValueError(
+            f"pipeline split: a stage starts at layer {i} (0-based), a 'shared' DSA layer that reuses layer "
+            f"{i - 1}'s top-k selection, which megatron's pipeline does not send; move the split "
+            f"(num_layers_in_first_pipeline_stage / pipeline_model_parallel_layout) so that no stage starts "
+            f"with a 'shared' layer"
+        )
 
 
-def get_glm53_mtp_block_spec(config: Glm53Config | Glm53TransformerConfig) -> Glm53MtpBlockSubmodules:
-    """One MTP module per prediction depth (GLM-5.3-Flash has one)."""
+def get_glm53_mtp_block_spec(
+    config: Glm53Config | Glm53TransformerConfig,
+) -> MultiTokenPredictionBlockSubmodules:
+    """megatron's `MultiTokenPredictionBlock` spec: one GLM MTP layer per prediction depth (GLM-5.3-Flash: one).
+    `GPTModel(mtp_block_spec=...)` needs `make_transformer_config(cfg, mtp=True)`; layers/mtp.py says where
+    megatron's MTP wiring differs from docs/mtp.md."""
     cfg = _glm(config)
     n = cfg.num_hidden_layers
-    return Glm53MtpBlockSubmodules(
+    return MultiTokenPredictionBlockSubmodules(
         layer_specs=[
             ModuleSpec(
                 module=Glm53MtpLayer,
-                params=dict(depth=d + 1),
                 submodules=Glm53MtpSubmodules(transformer_layer=get_glm53_layer_spec(cfg, n + d + 1)),
             )
             for d in range(cfg.num_nextn_predict_layers)

@@ -16,6 +16,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from . import backends
 from .config import Glm53Config
+from .parallel.state import ensure_model_parallel
 
 
 @dataclass
@@ -46,9 +47,15 @@ class Glm53TransformerConfig(TransformerConfig):
 
 
 def make_transformer_config(
-    cfg: Glm53Config, dtype: torch.dtype = torch.float32, **overrides: Any
+    cfg: Glm53Config, dtype: torch.dtype = torch.float32, mtp: bool = False, **overrides: Any
 ) -> Glm53TransformerConfig:
-    """Megatron config for `cfg`: parameters in `dtype` (HF's fp32-kept tensors stay fp32 regardless)."""
+    """Megatron config for `cfg`: parameters in `dtype` (HF's fp32-kept tensors stay fp32 regardless).
+
+    `mtp=True` fills megatron's MTP fields (`mtp_num_layers`, `mtp_loss_scaling_factor = cfg.mtp_loss_weight`),
+    which a stock `GPTModel(mtp_block_spec=...)` needs (`Glm53Model` runs its MTP itself and ignores them).
+    `overrides`: any TransformerConfig field, e.g. `pipeline_model_parallel_size=2`. Sets up a world-1 process
+    group and megatron parallel state when none exists, so the config can build modules right away."""
+    ensure_model_parallel()
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     fields: dict[str, Any] = dict(
@@ -83,7 +90,14 @@ def make_transformer_config(
         moe_ffn_hidden_size=cfg.moe_intermediate_size,
         moe_router_topk=cfg.num_experts_per_tok,
         moe_shared_expert_intermediate_size=cfg.moe_intermediate_size * cfg.n_shared_experts or None,
+        pipeline_dtype=dtype,  # megatron's p2p buffers, when pipeline_model_parallel_size > 1
     )
+    if mtp:
+        if cfg.num_nextn_predict_layers < 1:
+            raise ValueError("mtp=True but the config has num_nextn_predict_layers = 0")
+        fields.update(
+            mtp_num_layers=cfg.num_nextn_predict_layers, mtp_loss_scaling_factor=cfg.mtp_loss_weight
+        )
     modules = list(overrides.pop("recompute_modules", None) or [])
     if "mhc" in modules:
         modules.remove("mhc")

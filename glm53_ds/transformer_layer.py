@@ -1,9 +1,17 @@
 """`Glm53TransformerLayer`: a megatron `TransformerLayer` whose residual is the mHC stream set.
 
-With hyper-connections (every decoder layer), hidden states are `[s, b, n, D]`:
+With hyper-connections (every decoder layer), the residual is the stream set `[s, b, n, D]`:
     x, post, comb = attn_hc(streams);  streams = hc_post(attention(input_layernorm(x)), streams, post, comb)
     x, post, comb = ffn_hc(streams);   streams = hc_post(mlp(pre_mlp_layernorm(x)), streams, post, comb)
-Without them (the MTP layer) it is an ordinary pre-norm residual layer on `[s, b, D]`.
+Stream lifecycle, so that a stock megatron `TransformerBlock` / `GPTModel` runs it: the first decoder layer
+(`expands_streams`) takes the embedding `[s, b, D]` and copies it into n streams; every mHC layer returns the
+streams packed as `[s*n, b, D]` (`mhc.pack_streams`, a re-view of the same memory: megatron hands 3-D
+`[seq, batch, hidden]` tensors between layers and pipeline stages) and unpacks its input; the block's final norm
+(`StreamMeanRMSNorm`) averages the streams. Without hyper-connections (the MTP layer) it is an ordinary pre-norm
+residual layer on `[s, b, D]`.
+
+Masks: `layers/masks.py` reduces transformers' `[b, s]`, megatron's `[b, 1, s, s]` attention mask and megatron's
+`padding_mask` to the key-padding mask the attention modules take.
 
 The attention returns `(output, selection)`: a DSA layer's top-k token selection travels to the next layer
 through megatron's block-level `context` argument (HF's `prev_topk_indices`).
@@ -28,8 +36,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from torch.utils.checkpoint import checkpoint
 
+from .layers.masks import token_mask
 from .layers.moe import Glm53MoE
-from .mhc import hc_post
+from .mhc import expand_streams, hc_post, pack_streams, unpack_streams
 
 
 @dataclass
@@ -47,6 +56,7 @@ class Glm53TransformerLayer(TransformerLayer):
         hidden_dropout: float | None = None,
         pg_collection=None,
         vp_stage: int | None = None,
+        expands_streams: bool = False,
     ) -> None:
         # megatron's TransformerLayer hands its process groups only to megatron's own MoE classes; the GLM MoE is
         # built here with them instead, so it never reads global parallel state.
@@ -66,6 +76,10 @@ class Glm53TransformerLayer(TransformerLayer):
         self.ffn_hc = build_module(submodules.ffn_hc, **hc_kwargs) if submodules.ffn_hc is not None else None
         if (self.attn_hc is None) != (self.ffn_hc is None):
             raise ValueError("Glm53TransformerLayer needs both attn_hc and ffn_hc, or neither")
+        if expands_streams and self.attn_hc is None:
+            raise ValueError("expands_streams needs a layer with hyper-connections")
+        self.expands_streams = expands_streams
+        self.hc_mult = config.glm.hc_mult
         selective = config.recompute_granularity == "selective"
         modules = set(config.recompute_modules or []) if selective else set()
         self.recompute_mhc = selective and bool(getattr(config, "recompute_mhc", False))
@@ -94,13 +108,23 @@ class Glm53TransformerLayer(TransformerLayer):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         context: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
         **_: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """hidden_states [s, b, n, D] (mHC) or [s, b, D]; attention_mask [b, s] bool (True = token);
-        context: the previous DSA layer's selection. Returns (hidden_states, selection for the next layer)."""
+        """hidden_states: the embedding [s, b, D] (first layer), packed streams [s*n, b, D] (or [s, b, n, D]), or
+        [s, b, D] without mHC; attention_mask / padding_mask in any convention of layers/masks.py; context: the
+        previous DSA layer's selection. Returns (packed streams or [s, b, D], selection for the next layer)."""
+        if not self.uses_mhc:
+            streams = hidden_states
+        elif self.expands_streams:
+            streams = expand_streams(hidden_states, self.hc_mult)  # [s, b, D] -> [s, b, n, D]
+        else:
+            streams = unpack_streams(hidden_states, self.hc_mult)
+        s, b = streams.shape[:2]
+        tokens = token_mask(attention_mask, padding_mask, b, s, validate=self.expands_streams)
         streams, selection = self._sublayer(
-            self.attn_hc, self.input_layernorm, self.self_attention, hidden_states,
-            attention_mask=attention_mask, shared_topk=context,
+            self.attn_hc, self.input_layernorm, self.self_attention, streams,
+            attention_mask=tokens, shared_topk=context,
         )  # fmt: skip
 
         def ffn(x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +134,7 @@ class Glm53TransformerLayer(TransformerLayer):
             return self._maybe_recompute(self.recompute_ffn, ffn, x)
 
         streams, _ = self._sublayer(self.ffn_hc, self.pre_mlp_layernorm, ffn_maybe_recomputed, streams)
-        return streams, selection
+        return (pack_streams(streams) if self.uses_mhc else streams), selection
 
 
 def _module_class(spec: Any) -> type | None:

@@ -13,7 +13,7 @@ from glm53_ds.config import Glm53Config
 from glm53_ds.layers.kda import KimiDeltaAttention
 from glm53_ds.layers.mla import SparseMLA
 from glm53_ds.layers.moe import Glm53MoE
-from glm53_ds.mhc import expand_streams
+from glm53_ds.layers.norm import StreamMeanRMSNorm
 from glm53_ds.specs import get_glm53_block_spec, get_glm53_layer_spec, get_glm53_mtp_block_spec
 from glm53_ds.transformer_config import make_transformer_config
 from glm53_ds.transformer_layer import Glm53TransformerLayer
@@ -96,13 +96,18 @@ def test_layer_specs_choose_modules_by_schedule():
 
 
 def test_block_spec_in_plain_megatron_block():
-    """A user's own megatron code: TransformerBlock from the exported spec, streams in and out."""
-    glm53_ds.build_model(CFG)  # sets up parallel state
+    """A user's own megatron code: TransformerBlock from the exported spec maps [s, b, h] -> [s, b, h] (the streams
+    live inside the block: expanded by the first layer, averaged by the block's final norm)."""
     config = make_transformer_config(CFG)
-    block = TransformerBlock(config, get_glm53_block_spec(CFG), post_layer_norm=False)
+    block = TransformerBlock(config, get_glm53_block_spec(CFG))
     assert len(block.layers) == CFG.num_hidden_layers
-    x = expand_streams(torch.randn(12, 2, CFG.hidden_size), CFG.hc_mult)  # [s, b, n, h]
+    assert isinstance(block.final_layernorm, StreamMeanRMSNorm)
+    x = torch.randn(12, 2, CFG.hidden_size)
     out = block(x, attention_mask=torch.ones(2, 12, dtype=torch.bool))
     assert out.shape == x.shape
+    packed = TransformerBlock(config, get_glm53_block_spec(CFG), post_layer_norm=False)(
+        x, attention_mask=None
+    )
+    assert packed.shape == (12 * CFG.hc_mult, 2, CFG.hidden_size)  # streams, packed for megatron's p2p
     layer = build_module(get_glm53_layer_spec(config, 1), config=config, layer_number=1)
     assert isinstance(layer, Glm53TransformerLayer) and layer.uses_mhc

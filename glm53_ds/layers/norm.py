@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..mhc import hc_head, unpack_streams
+
 
 class RMSNorm(nn.Module):
     def __init__(
@@ -28,6 +30,25 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class StreamMeanRMSNorm(RMSNorm):
+    """The decoder's final norm (megatron's block `layer_norm`): the mean over the mHC streams (HF's `hc_head`),
+    then RMSNorm. Takes the packed streams `[s*n, b, D]` (or `[s, b, n, D]`) and returns `[s, b, D]`, so a megatron
+    `TransformerBlock` built from the GLM-5.3 spec hands `[s, b, D]` to the output layer as megatron expects."""
+
+    def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-6) -> None:
+        super().__init__(config, hidden_size, eps)
+        self.hc_mult = config.glm.hc_mult
+
+    def stream_mean(self, streams: torch.Tensor) -> torch.Tensor:
+        return hc_head(unpack_streams(streams, self.hc_mult))
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        return self.normalize(self.stream_mean(streams))
 
 
 class GatedRMSNorm(nn.Module):

@@ -123,3 +123,24 @@ def expand_streams(x: torch.Tensor, n: int) -> torch.Tensor:
     if n < 1:
         raise ValueError(f"hc_mult must be >= 1, got {n}")
     return x.unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1]).contiguous()
+
+
+def pack_streams(streams: torch.Tensor) -> torch.Tensor:
+    """`[s, b, n, D] -> [s*n, b, D]`: the stream set as the 3-D tensor megatron hands between layers and pipeline
+    stages (its p2p buffers are `[seq, micro_batch, hidden]`). A row-major re-view of the same memory, not a
+    sequence of s*n tokens: only `unpack_streams` reads it."""
+    s, b, n, d = streams.shape
+    return streams.reshape(s * n, b, d)
+
+
+def unpack_streams(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of `pack_streams`: `[s*n, b, D] -> [s, b, n, D]` (a 4-D input is returned as it is)."""
+    if packed.dim() == 4:
+        return packed
+    if packed.dim() != 3 or packed.shape[0] % n:
+        raise ValueError(
+            f"expected packed mHC streams [seq*hc_mult, batch, hidden] with hc_mult={n}, got shape "
+            f"{tuple(packed.shape)}"
+        )
+    sn, b, d = packed.shape
+    return packed.reshape(sn // n, b, n, d)
