@@ -156,7 +156,7 @@ def load_hf_state_into(
                     target.copy_(part.to(target.dtype))
                 filled[p.native] = filled.get(p.native, 0) + target.numel()
 
-    missing = [n for n in held if n not in seen and _wanted(n, shard)]
+    missing = [n for n in layout if n in held and n not in seen and _wanted(n, shard)]  # checkpoint order
     problems = []
     if missing:
         problems.append(f"missing {len(missing)} tensor(s): {_listing(missing)}")

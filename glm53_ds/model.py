@@ -29,6 +29,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from torch import nn
 
 from .config import Glm53Config
+from .layers.documents import Documents
 from .layers.linear import ColumnLinear
 from .layers.mtp import Glm53MtpLayer, shift_left
 from .parallel import ensure_model_parallel
@@ -122,24 +123,28 @@ class Glm53Model(nn.Module):
         labels: torch.Tensor | None = None,
         next_tokens: torch.Tensor | None = None,
         return_parts: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor | LossParts:
         """`next_tokens [b, m]` (optional) continue `labels` past the input, so that the last positions get
         targets too (training windows of seq_length + 1 tokens: input = window[:-1], labels = window[:-1],
-        next_tokens = window[-1:]). With labels: the loss, or all its parts with `return_parts=True`."""
+        next_tokens = window[-1:]). With labels: the loss, or all its parts with `return_parts=True`.
+        `cu_seqlens [n_docs + 1]` (0 ... s, increasing; batch 1): packed documents, each computed exactly as if it
+        were alone (layers/documents.py); no target and no MTP input crosses a boundary."""
         mask = self._check_inputs(input_ids, attention_mask, labels)
+        docs = None if cu_seqlens is None else Documents.from_cu_seqlens(cu_seqlens, *input_ids.shape[::-1])
         if next_tokens is not None and labels is not None:
             labels = torch.cat([labels, next_tokens.to(labels.dtype)], dim=1)
-        hidden = self._hidden(input_ids, mask)  # [s, b, D]
+        hidden = self._hidden(input_ids, mask, docs)  # [s, b, D]
         logits = self._logits(self.final_norm.normalize(hidden))
         if labels is None:
             return logits
-        lm_loss = causal_lm_loss(logits, labels, shift=1)
+        lm_loss = causal_lm_loss(logits, labels, shift=1, documents=docs)
         loss, mtp_loss, aux_loss = lm_loss, None, None
         if self.mtp is not None:
-            normed = self._mtp_normed(hidden, input_ids, mask)
+            normed = self._mtp_normed(hidden, input_ids, mask, docs)
             mtp_loss = torch.stack(
                 [
-                    causal_lm_loss(self._logits(n), labels, shift=depth + 1)
+                    causal_lm_loss(self._logits(n), labels, shift=depth + 1, documents=docs)
                     for depth, n in enumerate(normed, start=1)
                 ]
             ).mean()
@@ -157,33 +162,43 @@ class Glm53Model(nn.Module):
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
         return self.output_layer(normed).float().transpose(0, 1)  # [s, b, V] -> [b, s, V]
 
-    def _hidden(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _hidden(self, input_ids: torch.Tensor, mask: torch.Tensor, docs: Documents | None) -> torch.Tensor:
         """Embedding -> decoder (streams) -> stream mean [s, b, D] (before the final norm; MTP reads it)."""
         x = self.embedding(input_ids).transpose(0, 1)  # [b, s, D] -> [s, b, D]
-        packed = self.decoder(x, attention_mask=mask)  # [s*n, b, D]
+        packed_seq = None if docs is None else docs.packed_seq_params()
+        packed = self.decoder(x, attention_mask=mask, packed_seq_params=packed_seq)  # [s*n, b, D]
         return self.final_norm.stream_mean(packed)
 
     def _mtp_normed(
-        self, hidden: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor
+        self, hidden: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor, docs: Documents | None
     ) -> list[torch.Tensor]:
         """Each MTP depth's normed output [s, b, D] (depth k at position t predicts token t + k + 1)."""
         assert self.mtp is not None
+        packed_seq = None if docs is None else docs.packed_seq_params()
         out = []
         for depth, layer in enumerate(self.mtp, start=1):
             assert isinstance(layer, Glm53MtpLayer)
-            next_ids, next_mask = shift_left(input_ids, depth), shift_left(mask, depth)
-            hidden, normed = layer.predict(hidden, self.embedding(next_ids).transpose(0, 1), mask & next_mask)
+            next_ids, next_mask = shift_left(input_ids, depth), mask & shift_left(mask, depth)
+            if docs is not None:
+                next_mask = next_mask & docs.same_document(depth, mask.device)[None]
+            emb = self.embedding(next_ids).transpose(0, 1)
+            hidden, normed = layer.predict(hidden, emb, next_mask, packed_seq)
             out.append(normed)
         return out
 
     def mtp_logits(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """Logits of each MTP depth k [b, s, V] (position t predicts token t + k + 1)."""
         if self.mtp is None:
             raise ValueError("this model was built without MTP")
         mask = self._check_inputs(input_ids, attention_mask, None)
-        return [self._logits(n) for n in self._mtp_normed(self._hidden(input_ids, mask), input_ids, mask)]
+        docs = None if cu_seqlens is None else Documents.from_cu_seqlens(cu_seqlens, *input_ids.shape[::-1])
+        hidden = self._hidden(input_ids, mask, docs)
+        return [self._logits(n) for n in self._mtp_normed(hidden, input_ids, mask, docs)]
 
     def _check_inputs(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor | None
@@ -218,15 +233,20 @@ def freeze_padding_row(embedding_weight: nn.Parameter, cfg: Glm53Config) -> None
     embedding_weight._glm53_padding_row = True  # type: ignore[attr-defined]
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, shift: int) -> torch.Tensor:
+def causal_lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, shift: int, documents: Documents | None = None
+) -> torch.Tensor:
     """Mean cross entropy of logits[:, t] against labels[:, t + shift] over non-ignored targets (HF's for shift 1).
 
-    `labels` may be longer than `logits` (targets past the input)."""
+    `labels` may be longer than `logits` (targets past the input). With packed `documents`, a target in another
+    document than t is ignored."""
     b, s = logits.shape[:2]
     target = torch.full((b, s), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)
     n = min(s, labels.shape[1] - shift)
     if n > 0:
         target[:, :n] = labels[:, shift : shift + n]
+    if documents is not None:
+        target = target.masked_fill(~documents.same_document(shift, target.device)[None], IGNORE_INDEX)
     return F.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX
     )

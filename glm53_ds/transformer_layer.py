@@ -31,12 +31,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from torch.utils.checkpoint import checkpoint
 
+from .layers.documents import Documents
 from .layers.masks import token_mask
+from .layers.mla import kl_loss
 from .layers.moe import Glm53MoE
 from .mhc import expand_streams, hc_post, pack_streams, unpack_streams
 
@@ -109,11 +112,13 @@ class Glm53TransformerLayer(TransformerLayer):
         attention_mask: torch.Tensor | None = None,
         context: torch.Tensor | None = None,
         padding_mask: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
         **_: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states: the embedding [s, b, D] (first layer), packed streams [s*n, b, D] (or [s, b, n, D]), or
         [s, b, D] without mHC; attention_mask / padding_mask in any convention of layers/masks.py; context: the
-        previous DSA layer's selection. Returns (packed streams or [s, b, D], selection for the next layer)."""
+        previous DSA layer's selection; packed_seq_params: packed documents (layers/documents.py), the attention runs
+        once per document. Returns (packed streams or [s, b, D], selection for the next layer)."""
         if not self.uses_mhc:
             streams = hidden_states
         elif self.expands_streams:
@@ -122,10 +127,14 @@ class Glm53TransformerLayer(TransformerLayer):
             streams = unpack_streams(hidden_states, self.hc_mult)
         s, b = streams.shape[:2]
         tokens = token_mask(attention_mask, padding_mask, b, s, validate=self.expands_streams)
+        attention = self.self_attention
+        if packed_seq_params is not None:
+            attention = functools.partial(
+                _per_document, self.self_attention, Documents.from_packed_seq_params(packed_seq_params, s, b)
+            )
         streams, selection = self._sublayer(
-            self.attn_hc, self.input_layernorm, self.self_attention, streams,
-            attention_mask=tokens, shared_topk=context,
-        )  # fmt: skip
+            self.attn_hc, self.input_layernorm, attention, streams, attention_mask=tokens, shared_topk=context
+        )
 
         def ffn(x: torch.Tensor) -> torch.Tensor:
             return _split(self.mlp(x))[0]
@@ -135,6 +144,36 @@ class Glm53TransformerLayer(TransformerLayer):
 
         streams, _ = self._sublayer(self.ffn_hc, self.pre_mlp_layernorm, ffn_maybe_recomputed, streams)
         return (pack_streams(streams) if self.uses_mhc else streams), selection
+
+
+def _per_document(
+    attention: Any,
+    documents: Documents,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    shared_topk: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The sequence mixer once per document on its slice of the packed row: [T, 1, D] -> ([T, 1, D], the
+    selections concatenated in document-local indices, which a `shared` layer slices the same way). A DSA
+    indexer's loss is summed over documents and divided by all their queries, as one batch would be."""
+    outputs, selections, terms = [], [], []
+    for start, end in documents.bounds:
+        out, selection = _split(
+            attention(
+                hidden_states[start:end],
+                attention_mask=None if attention_mask is None else attention_mask[:, start:end],
+                shared_topk=None if shared_topk is None else shared_topk[:, start:end],
+            )
+        )
+        outputs.append(out)
+        selections.append(selection)
+        if (t := getattr(attention, "indexer_loss_terms", None)) is not None:
+            terms.append(t)
+    if terms:
+        total = (torch.stack([t[0] for t in terms]).sum(), torch.stack([t[1] for t in terms]).sum())
+        attention.indexer_loss_terms, attention.indexer_loss = total, kl_loss(total)
+    joined = None if any(s is None for s in selections) else torch.cat(selections, dim=1)
+    return torch.cat(outputs, dim=0), joined
 
 
 def _module_class(spec: Any) -> type | None:

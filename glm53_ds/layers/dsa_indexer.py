@@ -21,6 +21,7 @@ loss (`indexer_kl_loss` below, equations in docs/indexer_loss.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -154,7 +155,13 @@ class DsaIndexer(nn.Module):
         return tail.masked_fill(~ok, -1)
 
 
-def indexer_kl_loss(
+def indexer_kl_loss(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """The KL loss itself: `indexer_kl_terms` summed, divided by the number of queries with a target."""
+    total, rows = indexer_kl_terms(*args, **kwargs)
+    return total / rows.clamp_min(1)
+
+
+def indexer_kl_terms(
     q: torch.Tensor,
     k: torch.Tensor,
     allowed: torch.Tensor,
@@ -162,14 +169,15 @@ def indexer_kl_loss(
     scored: IndexerScores,
     selected: torch.Tensor,
     chunk_bytes: int = 256 * 1024**2,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """KL(attention || indexer) over each query's selected pools, averaged over the queries that have any
     (docs/indexer_loss.md). q, k [b, H, s, d] and allowed [b, 1, s, s] as the main attention uses them (detached
     here); `scored` from `DsaIndexer.score` (the gradient flows into its index scores only); selected [b, s, P].
 
     Target p[i, P] = sum_{j in P} sum_h softmax_h(q k^T scaling | allowed)[i, j], normalised over the selected pools;
     model r[i, .] = softmax of the index scores over the selected pools; loss_i = sum_P p log(p / r).
-    Computed over chunks of queries so that the [b, H, chunk, s] probabilities stay under `chunk_bytes`."""
+    Computed over chunks of queries so that the [b, H, chunk, s] probabilities stay under `chunk_bytes`.
+    Returns (sum of loss_i, number of queries with a target): packed documents add both up across documents."""
     q, k = q.detach().float(), k.detach().float()
     b, heads, s, _ = q.shape
     pools, kpool = scored.pool_tokens.shape[1:]
@@ -194,4 +202,4 @@ def indexer_kl_loss(
         terms = torch.where(p > 0, p * (torch.log(p.clamp_min(torch.finfo(p.dtype).tiny)) - log_r), 0.0)
         total = total + (terms.sum(-1) * ok).sum()
         rows = rows + ok.sum()
-    return total / rows.clamp_min(1)
+    return total, rows

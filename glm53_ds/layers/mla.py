@@ -23,9 +23,14 @@ from torch import nn
 
 from .. import backends
 from ..transformer_config import Glm53TransformerConfig
-from .dsa_indexer import DsaIndexer, indexer_kl_loss
+from .dsa_indexer import DsaIndexer, indexer_kl_terms
 from .linear import ColumnLinear, RowLinear
 from .norm import RMSNorm
+
+
+def kl_loss(terms: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
+    """The indexer loss from its (sum, queries) terms."""
+    return None if terms is None else terms[0] / terms[1].clamp_min(1)
 
 
 def topk_to_mask(topk_tokens: torch.Tensor, kv_length: int) -> torch.Tensor:
@@ -125,6 +130,7 @@ class SparseMLA(nn.Module):
         self.indexer = None if self.reuses_selection else DsaIndexer(config)
         self.indexer_loss_coef = config.indexer_loss_coef
         self.indexer_loss: torch.Tensor | None = None  # this forward's KL(attention || indexer), when trained
+        self.indexer_loss_terms: tuple[torch.Tensor, torch.Tensor] | None = None  # (sum, queries) behind it
         # HF hands a full layer's selection only to the very next layer, when that one is "shared".
         self.passes_selection = not self.reuses_selection and i + 1 < len(types) and types[i + 1] == "shared"
 
@@ -181,9 +187,10 @@ class SparseMLA(nn.Module):
         out = masked_attention(
             q, k, v, allowed, self.scaling, dropout, backend=self.attention_impl
         )  # [b, s, H, dv]
-        self.indexer_loss = (
-            indexer_kl_loss(q, k, allowed, self.scaling, scored, selected) if train_indexer else None
+        self.indexer_loss_terms = (
+            indexer_kl_terms(q, k, allowed, self.scaling, scored, selected) if train_indexer else None
         )
+        self.indexer_loss = kl_loss(self.indexer_loss_terms)
         out = out.reshape(b, s, self.num_heads * self.v_head_dim)
         out = self.o_proj(out)
         return out.transpose(0, 1), (topk if self.passes_selection else None)

@@ -22,10 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import nn
 
 from ..transformer_config import Glm53TransformerConfig
+from .documents import Documents
 from .linear import ColumnLinear
 from .masks import token_mask
 from .norm import RMSNorm
@@ -77,12 +79,16 @@ class Glm53MtpLayer(nn.Module):
         self.final_layernorm = RMSNorm(config, d, eps=cfg.rms_norm_eps)  # released name: shared_head.norm
 
     def predict(
-        self, hidden: torch.Tensor, next_embedding: torch.Tensor, attention_mask: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        next_embedding: torch.Tensor,
+        attention_mask: torch.Tensor,
+        packed_seq_params: PackedSeqParams | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """docs/mtp.md: hidden, next_embedding [s, b, D]; attention_mask [b, s] bool, already m_t and m_{t+k}
-        -> (h' [s, b, D], normed h' for the head)."""
+        """docs/mtp.md: hidden, next_embedding [s, b, D]; attention_mask [b, s] bool, already m_t and m_{t+k} (and,
+        for packed documents, t + k in t's document) -> (h' [s, b, D], normed h' for the head)."""
         u = self.eh_proj(torch.cat([self.enorm(next_embedding), self.hnorm(hidden)], dim=-1))
-        h, _ = self.transformer_layer(u, attention_mask=attention_mask)
+        h, _ = self.transformer_layer(u, attention_mask=attention_mask, packed_seq_params=packed_seq_params)
         return h, self.final_layernorm(h)
 
     def forward(
@@ -93,6 +99,7 @@ class Glm53MtpLayer(nn.Module):
         attention_mask: torch.Tensor | None,
         embedding: Any = None,
         padding_mask: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
         **unused: Any,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """megatron's MTP-layer interface: input_ids / position_ids [b, s] of the previous depth (rolled here by
@@ -104,9 +111,11 @@ class Glm53MtpLayer(nn.Module):
         if tokens is None:
             tokens = torch.ones(b, s, dtype=torch.bool, device=input_ids.device)
         mask = tokens & shift_left(tokens, self.depth)  # m_t and m_{t+k}, k = this depth
-        _, normed = self.predict(
-            hidden_states, embedding(input_ids=next_ids, position_ids=next_positions), mask
-        )
+        if packed_seq_params is not None:
+            documents = Documents.from_packed_seq_params(packed_seq_params, s, b)
+            mask = mask & documents.same_document(self.depth, mask.device)[None]
+        next_embedding = embedding(input_ids=next_ids, position_ids=next_positions)
+        _, normed = self.predict(hidden_states, next_embedding, mask, packed_seq_params)
         return normed, next_ids, next_positions
 
 

@@ -1,0 +1,81 @@
+"""Packed documents: one row `[1, T]` holding several documents, each computed exactly as if it were alone.
+
+The boundaries come as `cu_seqlens` (the flash-attn / fla varlen convention): int `[n_docs + 1]`, 0 ... T, strictly
+increasing; document d is tokens `cu_seqlens[d] : cu_seqlens[d + 1]`. Inside megatron modules they travel as
+megatron's `PackedSeqParams(qkv_format="thd", cu_seqlens_q=..., cu_seqlens_kv=...)` (the `packed_seq_params`
+argument `TransformerBlock` hands every layer), so a stock `GPTModel` passes them too.
+
+Only the sequence mixers (KDA, MLA with its DSA indexer) see documents; everything else works per token. The
+mixer runs once per document on that document's slice (`Glm53TransformerLayer`), which is exact by construction:
+the KDA state and short-conv window start at zero, attention and the indexer's k-pools start at the document's
+first token, and a `shared` DSA layer reuses the selection of the same document.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Validated document boundaries of a packed row of `length` tokens."""
+
+    bounds: tuple[tuple[int, int], ...]  # (start, end) per document, host ints
+    cu_seqlens: torch.Tensor  # int32 [n_docs + 1], on the row's device
+
+    @property
+    def length(self) -> int:
+        return self.bounds[-1][1]
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, length: int, batch: int = 1) -> Documents:
+        """Check `cu_seqlens` against a row of `length` tokens (batch must be 1); one host read of `n_docs + 1`
+        integers."""
+        if (
+            not isinstance(cu_seqlens, torch.Tensor)
+            or cu_seqlens.dim() != 1
+            or cu_seqlens.is_floating_point()
+        ):
+            raise ValueError(
+                f"cu_seqlens must be a 1-D integer tensor [n_docs + 1], got "
+                f"{type(cu_seqlens).__name__} {tuple(getattr(cu_seqlens, 'shape', ()))}"
+            )
+        if batch != 1:
+            raise ValueError(f"cu_seqlens packs documents into one row: input batch must be 1, got {batch}")
+        cuts = [int(c) for c in cu_seqlens.tolist()]
+        if len(cuts) < 2 or cuts[0] != 0 or cuts[-1] != length:
+            raise ValueError(
+                f"cu_seqlens must start at 0 and end at the row length {length}, got {cuts[:3]}...{cuts[-2:]}"
+            )
+        if any(b <= a for a, b in zip(cuts[:-1], cuts[1:], strict=True)):
+            raise ValueError(f"cu_seqlens must be strictly increasing (no empty documents), got {cuts}")
+        return cls(tuple(zip(cuts[:-1], cuts[1:], strict=True)), cu_seqlens.to(torch.int32))
+
+    @classmethod
+    def from_packed_seq_params(cls, params: PackedSeqParams, length: int, batch: int = 1) -> Documents:
+        q, kv = params.cu_seqlens_q, params.cu_seqlens_kv
+        if q is None or (kv is not None and kv is not q and not torch.equal(q, kv)):
+            raise ValueError(
+                "packed_seq_params: GLM-5.3 needs cu_seqlens_q (self-attention: cu_seqlens_kv equal)"
+            )
+        if params.cu_seqlens_q_padded is not None and not torch.equal(params.cu_seqlens_q_padded, q):
+            raise ValueError("packed_seq_params: padded cu_seqlens (cu_seqlens_q_padded) are not supported")
+        return cls.from_cu_seqlens(q, length, batch)
+
+    def packed_seq_params(self) -> PackedSeqParams:
+        longest = max(end - start for start, end in self.bounds)
+        return PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+            max_seqlen_q=longest, max_seqlen_kv=longest,
+        )  # fmt: skip
+
+    def same_document(self, shift: int, device: torch.device) -> torch.Tensor:
+        """bool [T]: position t and t + shift lie in the same document. Positions past the row's end count as the
+        last document (a training window's `next_tokens` continue the row's last document)."""
+        doc = torch.full((self.length + shift,), len(self.bounds) - 1, dtype=torch.long, device=device)
+        for d, (start, end) in enumerate(self.bounds):
+            doc[start:end] = d
+        return doc[: self.length] == doc[shift:]
