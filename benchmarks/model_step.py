@@ -13,7 +13,12 @@ Sizes (`--size`):
 
     python3 benchmarks/model_step.py [--size tiny|real] [--seq 512 2048] [--batch 1] [--dtype fp32|bf16]
 
-Last line: `model_step time_ratio_vs_hf=<ours/HF> mem_ratio_vs_hf=<ours/HF>` at the longest sequence both ran.
+Packed case (glm53_ds only): the same documents (seeded lengths between 1/16 and 1/4 of the longest sequence) as
+one packed row with `cu_seqlens` vs a right-padded batch with an attention mask; tokens/s and peak memory as
+ratios packed/padded.
+
+Last line: `model_step time_ratio_vs_hf=<ours/HF> mem_ratio_vs_hf=<ours/HF> packed_time_ratio_vs_padded=...
+packed_mem_ratio_vs_padded=...` at the longest sequence both models ran.
 JSON goes to benchmarks/results/model_step_<device>[_<size>].json.
 """
 
@@ -81,6 +86,37 @@ def build_pair(text: dict[str, Any], dtype: torch.dtype, device: torch.device): 
     return hf.train(), ours.train()
 
 
+def packed_vs_padded(ours: Any, vocab: int, total: int, device: torch.device, repeats: int) -> dict[str, Any]:
+    """One fwd+bwd over documents packed in one row vs the same documents as a padded batch."""
+    g = torch.Generator().manual_seed(0)
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        lengths.append(int(torch.randint(max(2, total // 16), max(3, total // 4), (1,), generator=g)))
+    lengths[-1] -= sum(lengths) - total
+    lengths = [n for n in lengths if n > 0]
+    docs = [torch.randint(1, vocab, (n,), generator=g) for n in lengths]
+    packed_ids = torch.cat(docs)[None].to(device)
+    cu = torch.tensor([0, *lengths], device=device).cumsum(0)
+    width = max(lengths)
+    padded = torch.zeros(len(docs), width, dtype=torch.long, device=device)
+    mask = torch.zeros(len(docs), width, dtype=torch.bool, device=device)
+    for i, d in enumerate(docs):
+        padded[i, : len(d)], mask[i, : len(d)] = d.to(device), True
+    labels = padded.masked_fill(~mask, -100)
+    steps = {
+        "packed": lambda: ours(packed_ids, labels=packed_ids, cu_seqlens=cu).backward(),
+        "padded": lambda: ours(padded, attention_mask=mask, labels=labels).backward(),
+    }
+    out: dict[str, Any] = dict(documents=len(docs), tokens=total, padded_shape=list(padded.shape))
+    for name, step in steps.items():
+        out[f"{name}_step_s"] = time_call(step, device, warmup=1, repeats=repeats)
+        out[f"{name}_peak_MiB"] = peak_extra_bytes(step, list(ours.parameters())) / 2**20
+        ours.zero_grad(set_to_none=True)
+    out["time_ratio"] = out["packed_step_s"] / out["padded_step_s"]
+    out["mem_ratio"] = out["packed_peak_MiB"] / out["padded_peak_MiB"]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -127,10 +163,13 @@ def main() -> None:
                 row.update(error="out of memory")
             model.zero_grad(set_to_none=True)
             rows.append(row)
+    packed = packed_vs_padded(ours, text["vocab_size"], max(seqs), device, args.repeats)
+    print(f"packed vs padded ({packed['documents']} documents, {packed['tokens']} tokens, padded batch "
+          f"{packed['padded_shape']}): time {packed['time_ratio']:.3f}, memory {packed['mem_ratio']:.3f}")  # fmt: skip
     print(f"device: {device_description(device)}")
     print_table(rows, ["model", "seq", "batch", "dtype", "step_s", "tokens_per_s", "peak_MiB", "error"])
     both = [s for s in seqs if all("step_s" in r for r in rows if r["seq"] == s)]
-    summary: dict[str, Any] = dict(size=args.size, loss_rel_diff=loss_rel_diff)
+    summary: dict[str, Any] = dict(size=args.size, loss_rel_diff=loss_rel_diff, packed=packed)
     if both:
         by = {r["model"]: r for r in rows if r["seq"] == max(both)}
         summary.update(seq=max(both), time_ratio_vs_hf=by["glm53_ds"]["step_s"] / by["hf"]["step_s"],
@@ -146,7 +185,8 @@ def main() -> None:
         return
     print(
         f"model_step time_ratio_vs_hf={summary['time_ratio_vs_hf']:.3f} mem_ratio_vs_hf={summary['mem_ratio_vs_hf']:.3f}"
-        f" seq={summary['seq']}"
+        f" seq={summary['seq']} packed_time_ratio_vs_padded={packed['time_ratio']:.3f}"
+        f" packed_mem_ratio_vs_padded={packed['mem_ratio']:.3f}"
     )
 
 

@@ -18,6 +18,7 @@ Process groups come in as megatron's `pg_collection` (the layout's); without one
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -124,12 +125,16 @@ class Glm53Model(nn.Module):
         next_tokens: torch.Tensor | None = None,
         return_parts: bool = False,
         cu_seqlens: torch.Tensor | None = None,
+        token_normalizers: Sequence[float] | torch.Tensor | None = None,
     ) -> torch.Tensor | LossParts:
         """`next_tokens [b, m]` (optional) continue `labels` past the input, so that the last positions get
         targets too (training windows of seq_length + 1 tokens: input = window[:-1], labels = window[:-1],
         next_tokens = window[-1:]). With labels: the loss, or all its parts with `return_parts=True`.
         `cu_seqlens [n_docs + 1]` (0 ... s, increasing; batch 1): packed documents, each computed exactly as if it
-        were alone (layers/documents.py); no target and no MTP input crosses a boundary."""
+        were alone (layers/documents.py); no target and no MTP input crosses a boundary.
+        `token_normalizers` (LM, then each MTP depth): divide each loss's token sum by these instead of this
+        batch's own target counts, so that micro-batch losses add up to the global batch's token mean
+        (docs/numerics.md; `count_targets` gives the counts)."""
         mask = self._check_inputs(input_ids, attention_mask, labels)
         docs = None if cu_seqlens is None else Documents.from_cu_seqlens(cu_seqlens, *input_ids.shape[::-1])
         if next_tokens is not None and labels is not None:
@@ -138,13 +143,20 @@ class Glm53Model(nn.Module):
         logits = self._logits(self.final_norm.normalize(hidden))
         if labels is None:
             return logits
-        lm_loss = causal_lm_loss(logits, labels, shift=1, documents=docs)
+        norms = token_normalizers
+        if norms is not None and len(norms) != 1 + (len(self.mtp) if self.mtp is not None else 0):
+            raise ValueError(
+                f"token_normalizers needs one value for the LM loss and one per MTP depth, got {norms}"
+            )
+        lm_loss = causal_lm_loss(logits, labels, 1, docs, None if norms is None else norms[0])
         loss, mtp_loss, aux_loss = lm_loss, None, None
         if self.mtp is not None:
             normed = self._mtp_normed(hidden, input_ids, mask, docs)
             mtp_loss = torch.stack(
                 [
-                    causal_lm_loss(self._logits(n), labels, shift=depth + 1, documents=docs)
+                    causal_lm_loss(
+                        self._logits(n), labels, depth + 1, docs, None if norms is None else norms[depth]
+                    )
                     for depth, n in enumerate(normed, start=1)
                 ]
             ).mean()
@@ -158,6 +170,24 @@ class Glm53Model(nn.Module):
         if indexer_loss is not None:
             loss = loss + self.config.indexer_loss_coef * indexer_loss
         return LossParts(loss, lm_loss, mtp_loss, aux_loss, indexer_loss) if return_parts else loss
+
+    def count_targets(
+        self,
+        labels: torch.Tensor,
+        next_tokens: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """int64 [1 + MTP depths]: the number of targets of the LM loss and of each MTP depth in this batch (what
+        `forward` divides by without `token_normalizers`); no host sync."""
+        docs = None if cu_seqlens is None else Documents.from_cu_seqlens(cu_seqlens, *labels.shape[::-1])
+        if next_tokens is not None:
+            labels = torch.cat([labels, next_tokens.to(labels.dtype)], dim=1)
+        s = labels.shape[1] - (0 if next_tokens is None else next_tokens.shape[1])
+        depths = 1 + (len(self.mtp) if self.mtp is not None else 0)
+        counts = [
+            (shifted_targets(labels, s, shift, docs) != IGNORE_INDEX).sum() for shift in range(1, depths + 1)
+        ]
+        return torch.stack(counts)
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
         return self.output_layer(normed).float().transpose(0, 1)  # [s, b, V] -> [b, s, V]
@@ -233,23 +263,36 @@ def freeze_padding_row(embedding_weight: nn.Parameter, cfg: Glm53Config) -> None
     embedding_weight._glm53_padding_row = True  # type: ignore[attr-defined]
 
 
-def causal_lm_loss(
-    logits: torch.Tensor, labels: torch.Tensor, shift: int, documents: Documents | None = None
+def shifted_targets(
+    labels: torch.Tensor, s: int, shift: int, documents: Documents | None = None
 ) -> torch.Tensor:
-    """Mean cross entropy of logits[:, t] against labels[:, t + shift] over non-ignored targets (HF's for shift 1).
-
-    `labels` may be longer than `logits` (targets past the input). With packed `documents`, a target in another
-    document than t is ignored."""
-    b, s = logits.shape[:2]
+    """[b, s]: the target of position t, labels[:, t + shift], or IGNORE_INDEX (past the labels, or, with packed
+    `documents`, in another document than t). `labels` may be longer than s (targets past the input)."""
+    b = labels.shape[0]
     target = torch.full((b, s), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)
     n = min(s, labels.shape[1] - shift)
     if n > 0:
         target[:, :n] = labels[:, shift : shift + n]
     if documents is not None:
         target = target.masked_fill(~documents.same_document(shift, target.device)[None], IGNORE_INDEX)
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX
-    )
+    return target
+
+
+def causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    shift: int,
+    documents: Documents | None = None,
+    normalizer: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Cross entropy of logits[:, t] against labels[:, t + shift] (HF's for shift 1): the mean over this batch's
+    targets, or their sum divided by `normalizer` (a global batch's count, see `Glm53Model.forward`)."""
+    target = shifted_targets(labels, logits.shape[1], shift, documents).reshape(-1)
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    if normalizer is None:
+        return F.cross_entropy(flat, target, ignore_index=IGNORE_INDEX)
+    total = F.cross_entropy(flat, target, ignore_index=IGNORE_INDEX, reduction="sum")
+    return total / torch.as_tensor(normalizer, dtype=total.dtype, device=total.device).clamp_min(1.0)
 
 
 def build_model(

@@ -56,6 +56,11 @@ class Documents:
 
     @classmethod
     def from_packed_seq_params(cls, params: PackedSeqParams, length: int, batch: int = 1) -> Documents:
+        """The documents of megatron's packed-sequence parameters, validated once and kept on the object (every
+        layer reads them; the host read happens once per forward)."""
+        cached = getattr(params, "_glm53_documents", None)
+        if isinstance(cached, Documents) and cached.length == length and batch == 1:
+            return cached
         q, kv = params.cu_seqlens_q, params.cu_seqlens_kv
         if q is None or (kv is not None and kv is not q and not torch.equal(q, kv)):
             raise ValueError(
@@ -63,14 +68,18 @@ class Documents:
             )
         if params.cu_seqlens_q_padded is not None and not torch.equal(params.cu_seqlens_q_padded, q):
             raise ValueError("packed_seq_params: padded cu_seqlens (cu_seqlens_q_padded) are not supported")
-        return cls.from_cu_seqlens(q, length, batch)
+        documents = cls.from_cu_seqlens(q, length, batch)
+        params._glm53_documents = documents
+        return documents
 
     def packed_seq_params(self) -> PackedSeqParams:
         longest = max(end - start for start, end in self.bounds)
-        return PackedSeqParams(
+        params = PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
             max_seqlen_q=longest, max_seqlen_kv=longest,
         )  # fmt: skip
+        params._glm53_documents = self
+        return params
 
     def same_document(self, shift: int, device: torch.device) -> torch.Tensor:
         """bool [T]: position t and t + shift lie in the same document. Positions past the row's end count as the

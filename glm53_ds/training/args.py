@@ -35,8 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--etp", type=int, help="expert tensor parallel size")
 
     d = p.add_argument_group("data")
-    d.add_argument("--data", help="indexed dataset prefix (.bin/.idx), .jsonl or .txt "
+    d.add_argument("--data", help="indexed dataset prefix (.bin/.idx), .jsonl or .txt; a .jsonl of chat "
+                   "conversations ('messages' or 'prompt' + 'completion') trains on assistant tokens, packed "
                    "(default: data/tiny_corpus.txt)")  # fmt: skip
+    d.add_argument("--pack", action="store_true", help="pack whole documents into rows of --seq-length tokens, "
+                   "each computed alone (cu_seqlens), instead of windows over the document stream")  # fmt: skip
     d.add_argument("--tokenizer", help="'bytes' or a tokenizer directory (default: bytes for "
                    "presets, --hf-dir otherwise)")  # fmt: skip
     d.add_argument("--seq-length", type=int)

@@ -44,6 +44,7 @@ class TrainConfig:
     # data
     data: str = DEFAULT_DATA
     tokenizer: str = "bytes"
+    pack: bool = False  # documents packed into rows with their boundaries (chat data: always)
     seq_length: int = 64
     micro_batch_size: int = 2
     global_batch_size: int | None = None  # None: micro batch x world size

@@ -22,13 +22,23 @@ import argparse
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 from ..safe_io import atomic_write_text
+from .packing import (
+    Batch,
+    PackedRowStream,
+    SeededOrder,
+    build_packed,
+    byte_chat_template,
+    chat_messages,
+    render_chat,
+)
 
 BYTE_EOD, BYTE_PAD = 256, 257
 
@@ -37,9 +47,15 @@ class ByteTokenizer:
     vocab_size = 258
     eod_id = BYTE_EOD
     pad_id = BYTE_PAD
+    chat_end_ids = [BYTE_EOD]  # after a conversation (training/packing.py)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def chat_template_ids(
+        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False
+    ) -> list[int]:
+        return byte_chat_template(messages, add_generation_prompt)
 
 
 class HFTokenizer:
@@ -56,10 +72,27 @@ class HFTokenizer:
         if eod is None:
             raise ValueError(f"--tokenizer {path!r} defines no eos token to separate documents")
         self.eod_id = int(eod)
-        self.pad_id = int(self.tok.pad_token_id if self.tok.pad_token_id is not None else eod)
+        pad = self.tok.pad_token_id
+        self.pad_id = int(pad) if isinstance(pad, int) else self.eod_id
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
+
+    @property
+    def chat_template_ids(self) -> Any:
+        """The tokenizer's own chat template (`apply_chat_template`), or None when it has none."""
+        if not getattr(self.tok, "chat_template", None):
+            return None
+
+        def render(messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> list[int]:
+            out = self.tok.apply_chat_template(
+                list(messages), tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
+            )
+            return [int(i) for i in out]  # type: ignore[arg-type]
+
+        return render
+
+    chat_end_ids: list[int] = []  # a chat template ends its turns itself
 
 
 def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
@@ -101,6 +134,13 @@ def build_indexed_dataset(input_path: str, output_prefix: str, tokenizer: ByteTo
     return output_prefix
 
 
+def _cache_key(data: str, tokenizer_spec: str) -> str:
+    stat = os.stat(data)
+    return hashlib.sha1(
+        f"{os.path.abspath(data)}|{stat.st_size}|{stat.st_mtime_ns}|{tokenizer_spec}".encode()
+    ).hexdigest()[:16]
+
+
 def resolve_dataset(
     data: str, tokenizer: ByteTokenizer | HFTokenizer, tokenizer_spec: str, cache_dir: str
 ) -> str:
@@ -109,15 +149,79 @@ def resolve_dataset(
         return data
     if not os.path.isfile(data):
         raise FileNotFoundError(f"--data {data!r}: neither a file nor an indexed dataset prefix (.bin/.idx)")
-    stat = os.stat(data)
-    key = hashlib.sha1(
-        f"{os.path.abspath(data)}|{stat.st_size}|{stat.st_mtime_ns}|{tokenizer_spec}".encode()
-    ).hexdigest()[:16]
-    prefix = os.path.join(cache_dir, f"{os.path.basename(data)}.{key}")
+    prefix = os.path.join(cache_dir, f"{os.path.basename(data)}.{_cache_key(data, tokenizer_spec)}")
     if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
         os.makedirs(cache_dir, exist_ok=True)
         build_indexed_dataset(data, prefix, tokenizer)
     return prefix
+
+
+def is_chat_jsonl(path: str) -> bool:
+    """Whether a .jsonl holds chat data (its first record has 'messages' or 'prompt' + 'completion')."""
+    if not path.endswith(".jsonl"):
+        return False
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{i}: not a JSON line ({e.msg} at column {e.colno})") from e
+                return isinstance(record, dict) and ("messages" in record or "prompt" in record)
+    return False
+
+
+def _chat_documents(path: str, tokenizer: Any) -> Iterator[tuple[list[int], list[bool]]]:
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{i}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not a JSON line ({e.msg} at column {e.colno})") from e
+            yield render_chat(tokenizer, chat_messages(record, where), where)
+
+
+def _text_documents(prefix: str) -> Iterator[tuple[list[int], list[bool]]]:
+    """The documents of an indexed dataset, every token a target."""
+    dataset = IndexedDataset(prefix)
+    for d in range(len(dataset)):
+        ids = [int(t) for t in dataset[d]]
+        yield ids, [True] * len(ids)
+
+
+def open_stream(
+    data: str,
+    tokenizer: ByteTokenizer | HFTokenizer,
+    tokenizer_spec: str,
+    cache_dir: str,
+    seq_length: int,
+    seed: int,
+    vocab_size: int,
+    pack: bool,
+) -> SampleStream | PackedRowStream:
+    """The training data for `--data`: packed rows for chat data or `--pack`, else pretraining windows; tokenized
+    and packed into `cache_dir` once (the first caller builds, later ones open the cache)."""
+    chat = os.path.isfile(data) and is_chat_jsonl(data)
+    if not (chat or pack):
+        return SampleStream(
+            resolve_dataset(data, tokenizer, tokenizer_spec, cache_dir), seq_length, seed, vocab_size
+        )
+    source = data if chat else resolve_dataset(data, tokenizer, tokenizer_spec, cache_dir)
+    stat_of = source if chat else source + ".bin"
+    stat = os.stat(stat_of)
+    key = hashlib.sha1(
+        f"{os.path.abspath(stat_of)}|{stat.st_size}|{stat.st_mtime_ns}|{tokenizer_spec}|{seq_length}|"
+        f"{'chat' if chat else 'pack'}".encode()
+    ).hexdigest()[:16]
+    directory = os.path.join(cache_dir, f"{os.path.basename(data)}.{key}.packed")
+    if not os.path.isfile(os.path.join(directory, "meta.json")):
+        os.makedirs(cache_dir, exist_ok=True)
+        documents = _chat_documents(data, tokenizer) if chat else _text_documents(source)
+        build_packed(documents, directory, seq_length, tokenizer.pad_id)
+    return PackedRowStream(directory, seed, vocab_size)
 
 
 class SampleStream:
@@ -142,30 +246,31 @@ class SampleStream:
             raise ValueError(
                 f"--data {prefix!r} contains token id {top}, outside the model's vocab_size {vocab_size}"
             )
-        self._epoch, self._order = -1, np.empty(0, dtype=np.int64)
+        self.order = SeededOrder(self.num_samples, seed)
 
     @property
     def identity(self) -> dict[str, object]:
         """What fixes the sample order (a resume with other values would re-read or skip samples)."""
         return {"tokens": int(len(self.tokens)), "seq_length": self.seq_length, "seed": self.seed}
 
-    def _order_for(self, epoch: int) -> np.ndarray:
-        if epoch != self._epoch:
-            g = torch.Generator().manual_seed(self.seed + epoch)
-            self._order, self._epoch = torch.randperm(self.num_samples, generator=g).numpy(), epoch
-        return self._order
-
     def sample(self, index: int) -> torch.Tensor:
         """The `index`-th sample of the run ([seq_length + 1] int64), cycling epochs."""
-        epoch, pos = divmod(index, self.num_samples)
-        start = int(self._order_for(epoch)[pos]) * self.seq_length
+        start = self.order(index) * self.seq_length
         return torch.from_numpy(np.array(self.tokens[start : start + self.seq_length + 1], dtype=np.int64))
 
     def batch(self, consumed: int, micro: int, rank: int, world: int, micro_batch: int) -> torch.Tensor:
         """This rank's micro-batch [micro_batch, seq_length + 1] of the global batch that starts after `consumed`
-        samples: laid out micro-step, then rank, then row, so a global batch is the same samples at any world size."""
-        base = consumed + (micro * world + rank) * micro_batch
-        return torch.stack([self.sample(base + i) for i in range(micro_batch)])
+        samples (`SeededOrder.positions`: the same samples at any world size)."""
+        positions = SeededOrder.positions(consumed, micro, rank, world, micro_batch)
+        return torch.stack([self.sample(i) for i in positions])
+
+    def micro_batch(self, consumed: int, micro: int, rank: int, world: int, micro_batch: int) -> Batch:
+        """The same as a model batch: the window minus its last token as input and labels, that token as
+        `next_tokens`."""
+        window = self.batch(consumed, micro, rank, world, micro_batch)
+        return Batch(
+            window[:, :-1], window[:, :-1], next_tokens=window[:, -1:], real_tokens=window[:, :-1].numel()
+        )
 
 
 def max_token_id(bin_path: str, dtype: np.dtype, chunk_tokens: int = 1 << 24) -> int:

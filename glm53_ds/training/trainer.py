@@ -34,8 +34,9 @@ from ..parallel.replicas import check_replicas
 from ..transformer_config import make_transformer_config
 from .args import build_parser
 from .config import SetupError, TrainConfig
-from .data import SampleStream, load_tokenizer, resolve_dataset
+from .data import SampleStream, load_tokenizer, open_stream
 from .metrics import MetricsWriter, plot_loss
+from .packing import Batch, PackedRowStream
 from .presets import preset
 
 __all__ = ["SetupError", "Trainer", "TrainingStopped", "main"]
@@ -141,7 +142,7 @@ class Trainer:
         self.cfg: Glm53Config = model_config(config)
         self.engine: Any = None
         self.layout: ParallelLayout | None = None
-        self.stream: SampleStream | None = None
+        self.stream: SampleStream | PackedRowStream | None = None
         self.start_step = 0
         self.consumed = 0  # samples of the run read so far (the data position checkpoints store)
         self.last_saved: str | None = None
@@ -166,14 +167,19 @@ class Trainer:
             raise SetupError(f"--ep {c.ep} --etp {c.etp}: {e}") from e
         self.gas = gradient_accumulation(c, self.world)
         self.ds_config = deepspeed_config(c, self.world, self.gas)
-        # Rank 0 tokenizes (text/jsonl) once; the others wait, then every rank reads the same indexed dataset.
+        # Rank 0 tokenizes (and packs) once; the others wait, then every rank reads the same cache.
         cache_dir = os.path.join(c.output_dir, "data_cache")
+
+        def stream() -> SampleStream | PackedRowStream:
+            return open_stream(
+                c.data, tokenizer, c.tokenizer, cache_dir, c.seq_length, c.seed, cfg.vocab_size, c.pack
+            )
+
         if self.rank == 0:
-            prefix = _or_setup_error(lambda: resolve_dataset(c.data, tokenizer, c.tokenizer, cache_dir))
+            self.stream = _or_setup_error(stream)
         dist.barrier()
         if self.rank != 0:
-            prefix = _or_setup_error(lambda: resolve_dataset(c.data, tokenizer, c.tokenizer, cache_dir))
-        self.stream = _or_setup_error(lambda: SampleStream(prefix, c.seq_length, c.seed, cfg.vocab_size))
+            self.stream = _or_setup_error(stream)
         load_tag = _or_setup_error(lambda: verify_checkpoint(c.load, c.load_tag)) if c.load else None
 
         self.layout = init_layout(c.ep, c.etp, cfg)
@@ -252,13 +258,18 @@ class Trainer:
         lr = c.lr_at(step)
         set_learning_rate(engine, lr)
         parts: list[LossParts] = []
-        for micro in range(self.gas):
-            # a sample is seq_length + 1 tokens; the model takes HF-style labels aligned with its input and
-            # shifts them itself, so the labels are the whole sample and the input drops its last token
-            batch = self.stream.batch(self.consumed, micro, self.rank, self.world, c.micro_batch_size)
-            batch = batch.to(engine.device)
+        batches = [
+            self.stream.micro_batch(self.consumed, micro, self.rank, self.world, c.micro_batch_size).to(
+                engine.device
+            )
+            for micro in range(self.gas)
+        ]
+        normalizers = self._token_normalizers(batches)
+        for micro, batch in enumerate(batches):
+            # HF-style labels aligned with the input (the model shifts them); windows carry the token after the
+            # window as next_tokens, packed rows their document boundaries
             loss: LossParts = engine(
-                batch[:, :-1], labels=batch[:, :-1], next_tokens=batch[:, -1:], return_parts=True
+                batch.input_ids, **batch.model_kwargs(), return_parts=True, token_normalizers=normalizers
             )
             engine.backward(loss.total)
             parts.append(loss)
@@ -268,17 +279,34 @@ class Trainer:
         self.consumed += c.micro_batch_size * self.gas * self.world
         balance = update_router_bias(engine.module, rate=c.router_bias_update_rate)
         total, lm, mtp, indexer = self._logged
+        targets, real = self._counted
         step_time = time.perf_counter() - started
         norm = engine.get_global_grad_norm()
         tokens = c.micro_batch_size * self.gas * self.world * c.seq_length
         record = dict(step=step + 1, consumed_samples=self.consumed, loss=total, lm_loss=lm, lr=lr, grad_norm=None if norm is None else float(norm),
                       tokens_per_s=tokens / step_time, step_time=step_time,
-                      moe_imbalance=max(balance.values()) if balance else None)  # fmt: skip
+                      moe_imbalance=max(balance.values()) if balance else None, target_tokens=int(targets))  # fmt: skip
+        if isinstance(self.stream, PackedRowStream):
+            record["packing_efficiency"] = real / tokens  # real tokens / row tokens
         if engine.module.mtp is not None:
             record["mtp_loss"] = mtp
         if c.indexer_loss_coef > 0:
             record["indexer_loss"] = indexer
         return record
+
+    def _token_normalizers(self, batches: list[Batch]) -> torch.Tensor:
+        """Per loss (LM, each MTP depth): the global batch's target count / (micro-batches x ranks). Each
+        micro-batch's loss is its token sum divided by it, so the micro-batch losses, averaged by DeepSpeed over
+        accumulation steps and ranks, are the token mean over the whole global batch (docs/numerics.md).
+        One all-reduce, no host sync (the counts are logged at the step's one sync)."""
+        model = self.engine.module
+        counts = torch.stack([model.count_targets(**b.model_kwargs()) for b in batches]).sum(0)
+        real = torch.tensor([sum(b.real_tokens for b in batches)], device=counts.device, dtype=counts.dtype)
+        totals = torch.cat([counts, real])
+        if self.world > 1:
+            dist.all_reduce(totals)
+        self._counts = totals[[0, -1]]  # LM targets and real tokens of the global batch, read when logging
+        return totals[:-1].double() / (self.gas * self.world)
 
     def _stop_if_not_finite(self, step: int, parts: list[LossParts]) -> None:
         """One all-reduce and one host sync per step: which micro-batches were not finite anywhere, and the
@@ -295,8 +323,9 @@ class Trainer:
         packed = torch.cat([flags, sums]).double()
         if self.world > 1:
             dist.all_reduce(packed)
-        values = packed.tolist()  # the one host sync
-        flags_out, self._logged = values[: len(parts)], values[len(parts) :]
+        values = torch.cat([packed, self._counts.double()]).tolist()  # the one host sync
+        flags_out, self._logged = values[: len(parts)], values[len(parts) : -2]
+        self._counted = values[-2:]
         bad = [i for i, f in enumerate(flags_out) if f > 0]
         if bad:
             if self.last_saved:

@@ -1,0 +1,271 @@
+"""Packed rows for fine-tuning: documents (or chat conversations) packed into rows of `seq_length` tokens with
+their boundaries kept, so that each document is computed as if alone (`cu_seqlens`, layers/documents.py).
+
+Sources:
+  - `--pack` with text / jsonl `{"text": ...}` / an indexed dataset: each document (with its end-of-document
+    token) is one packed document; every token is a target;
+  - chat data, always packed: a `.jsonl` whose lines have `"messages": [{"role": "system"|"user"|"assistant",
+    "content": ...}, ...]` or `"prompt"` + `"completion"`. A conversation is rendered with the tokenizer's chat
+    template; only assistant (completion) tokens are targets. The template is applied to growing prefixes of the
+    conversation: an assistant turn's tokens are those its message adds after the generation prompt, so the role
+    header is context and the turn's text and end-of-turn tokens are targets. The byte tokenizer has a built-in
+    template, `<|role|>\\n{content}\\n` per message, the generation prompt `<|assistant|>\\n`, and the
+    end-of-document token after the conversation (a target when the conversation ends with an assistant turn).
+    An empty assistant turn trains only its end-of-turn tokens.
+
+Packing is greedy in file order: a document that does not fit in the current row's free tail starts a new row; a
+document longer than a row is cut into row-sized pieces (each piece is its own document; a piece sees nothing of
+the previous one). A row's unused tail is padding: its own document, never a target. Labels are aligned with the
+tokens (transformers' convention; -100 = no target): the model's target at position t is the label at t + 1 of
+the same document.
+
+The packed rows are built once into a cache directory (`tokens.npy`, `labels.npy` [rows, seq_length] int32, the
+document starts of every row, `meta.json`), staged under a temporary name and renamed, read memory-mapped with
+`allow_pickle=False`. Rows are visited in a seeded order (`SeededOrder`) by consumed-sample position, so a resumed
+run reads exactly what the uninterrupted one would, and a global batch is the same rows at any world size, EP, ETP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..safe_io import staged_dir
+
+IGNORE_INDEX = -100
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class Batch:
+    """One micro-batch as the model takes it. Packed: input_ids / labels [1, rows * seq_length] with cu_seqlens;
+    windows: [micro_batch, seq_length] with next_tokens."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    next_tokens: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    real_tokens: int = 0  # tokens that are not row padding
+
+    def to(self, device: torch.device | str) -> Batch:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return Batch(self.input_ids.to(device), self.labels.to(device), move(self.next_tokens),
+                     move(self.cu_seqlens), self.real_tokens)  # fmt: skip
+
+    def model_kwargs(self) -> dict[str, Any]:
+        return dict(labels=self.labels, next_tokens=self.next_tokens, cu_seqlens=self.cu_seqlens)
+
+
+class SeededOrder:
+    """Samples 0 .. num_samples - 1 in a permutation fixed by the seed, re-shuffled every epoch (seed + epoch)."""
+
+    def __init__(self, num_samples: int, seed: int) -> None:
+        self.num_samples, self.seed = num_samples, seed
+        self._epoch, self._order = -1, np.empty(0, dtype=np.int64)
+
+    def __call__(self, index: int) -> int:
+        """The sample read at run position `index` (cycling epochs)."""
+        epoch, pos = divmod(index, self.num_samples)
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            self._order, self._epoch = torch.randperm(self.num_samples, generator=g).numpy(), epoch
+        return int(self._order[pos])
+
+    @staticmethod
+    def positions(consumed: int, micro: int, rank: int, world: int, micro_batch: int) -> range:
+        """Run positions of this rank's micro-batch in the global batch after `consumed` samples: micro-step,
+        then rank, then row, so a global batch is the same samples at any world size."""
+        base = consumed + (micro * world + rank) * micro_batch
+        return range(base, base + micro_batch)
+
+
+# ----------------------------------------------------------------------------- chat rendering
+def chat_messages(record: Any, where: str) -> list[dict[str, str]]:
+    """The conversation of one jsonl record, checked; `where` is `file:line` for errors."""
+    if isinstance(record, dict) and "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise ValueError(f"{where}: 'messages' must be a non-empty list")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise ValueError(
+                    f"{where}: messages[{i}] must be {{'role': one of {ROLES}, 'content': a string}}, got {m!r}"
+                )
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
+    if isinstance(record, dict) and "prompt" in record and "completion" in record:
+        if not isinstance(record["prompt"], str) or not isinstance(record["completion"], str):
+            raise ValueError(f"{where}: 'prompt' and 'completion' must be strings")
+        return [
+            {"role": "user", "content": record["prompt"]},
+            {"role": "assistant", "content": record["completion"]},
+        ]
+    raise ValueError(
+        f"{where}: a chat line needs 'messages' (a list of role/content) or 'prompt' + 'completion'"
+    )
+
+
+def byte_chat_template(messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> list[int]:
+    """The byte tokenizer's built-in chat template (module docstring)."""
+    text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+    if add_generation_prompt:
+        text += "<|assistant|>\n"
+    return list(text.encode("utf-8"))
+
+
+def render_chat(
+    tokenizer: Any, messages: Sequence[dict[str, str]], where: str
+) -> tuple[list[int], list[bool]]:
+    """Token ids of a conversation and which of them are targets (assistant tokens)."""
+    template = getattr(tokenizer, "chat_template_ids", None)
+    if template is None:
+        raise ValueError(f"{where}: the tokenizer has no chat template")
+    ids: list[int] = []
+    trained: list[bool] = []
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            head = template(messages[:i], add_generation_prompt=True)
+            if head[: len(ids)] != ids:
+                raise ValueError(f"{where}: the chat template is not prefix-stable at message {i}")
+            trained += [False] * (len(head) - len(ids))
+            ids = head
+        full = template(messages[: i + 1], add_generation_prompt=False)
+        if full[: len(ids)] != ids:
+            raise ValueError(f"{where}: the chat template is not prefix-stable at message {i}")
+        trained += [message["role"] == "assistant"] * (len(full) - len(ids))
+        ids = full
+    end = getattr(tokenizer, "chat_end_ids", [])
+    ids, trained = ids + end, trained + [messages[-1]["role"] == "assistant"] * len(end)
+    return ids, trained
+
+
+# ----------------------------------------------------------------------------- packing
+def pack(
+    documents: Iterator[tuple[list[int], list[bool]]], seq_length: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray, list[list[int]], list[int], dict[str, int]]:
+    """Greedy packing (module docstring): (tokens, labels [rows, seq_length] int32, document starts per row,
+    real (non-padding) tokens per row, counts)."""
+    rows_tokens: list[list[int]] = []
+    rows_labels: list[list[int]] = []
+    starts: list[list[int]] = []
+    real: list[int] = []
+    tokens: list[int] = []
+    labels: list[int] = []
+    row_starts: list[int] = []
+    counts = dict(documents=0, pieces=0, real_tokens=0, targets=0)
+
+    def close() -> None:
+        nonlocal tokens, labels, row_starts
+        if not tokens:
+            return
+        real.append(len(tokens))
+        if len(tokens) < seq_length:  # padding: its own document, no targets
+            row_starts.append(len(tokens))
+            labels += [IGNORE_INDEX] * (seq_length - len(tokens))
+            tokens += [pad_id] * (seq_length - len(tokens))
+        rows_tokens.append(tokens)
+        rows_labels.append(labels)
+        starts.append(row_starts)
+        tokens, labels, row_starts = [], [], []
+
+    for ids, trained in documents:
+        counts["documents"] += 1
+        for begin in range(0, len(ids), seq_length):
+            piece, mask = ids[begin : begin + seq_length], trained[begin : begin + seq_length]
+            if len(tokens) + len(piece) > seq_length:
+                close()
+            row_starts.append(len(tokens))
+            tokens += piece
+            labels += [t if m else IGNORE_INDEX for t, m in zip(piece, mask, strict=True)]
+            counts["pieces"] += 1
+            counts["real_tokens"] += len(piece)
+            counts["targets"] += sum(mask[1:])  # a piece's first token is no target
+    close()
+    if not rows_tokens:
+        raise ValueError("no documents to pack")
+    return (
+        np.asarray(rows_tokens, dtype=np.int32),
+        np.asarray(rows_labels, dtype=np.int32),
+        starts,
+        real,
+        counts,
+    )
+
+
+def build_packed(
+    documents: Iterator[tuple[list[int], list[bool]]], directory: str, seq_length: int, pad_id: int
+) -> str:
+    """Pack `documents` into `directory` (staged, then renamed into place)."""
+    tokens, labels, starts, real, counts = pack(documents, seq_length, pad_id)
+    flat = np.asarray([s for row in starts for s in row], dtype=np.int32)
+    offsets = np.cumsum([0] + [len(row) for row in starts]).astype(np.int64)
+    with staged_dir(directory) as tmp:
+        np.save(os.path.join(tmp, "tokens.npy"), tokens)
+        np.save(os.path.join(tmp, "labels.npy"), labels)
+        np.save(os.path.join(tmp, "doc_starts.npy"), flat)
+        np.save(os.path.join(tmp, "row_offsets.npy"), offsets)
+        np.save(os.path.join(tmp, "real_tokens.npy"), np.asarray(real, dtype=np.int32))
+        meta = dict(seq_length=seq_length, rows=int(tokens.shape[0]), **counts)
+        with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
+            json.dump(meta, f)
+    return directory
+
+
+class PackedRowStream:
+    """Packed rows in seeded order; a micro-batch of several rows is one row of `micro_batch * seq_length` tokens
+    (the model takes packed documents at batch 1)."""
+
+    def __init__(self, directory: str, seed: int, vocab_size: int) -> None:
+        load = lambda name: np.load(os.path.join(directory, name), mmap_mode="r", allow_pickle=False)  # noqa: E731
+        self.tokens, self.labels = load("tokens.npy"), load("labels.npy")
+        self.doc_starts, self.row_offsets = load("doc_starts.npy"), load("row_offsets.npy")
+        self.real_tokens = load("real_tokens.npy")
+        with open(os.path.join(directory, "meta.json"), encoding="utf-8") as f:
+            self.meta = json.load(f)
+        self.seq_length = int(self.tokens.shape[1])
+        self.num_samples = int(self.tokens.shape[0])
+        top = int(self.tokens.max())
+        if top >= vocab_size:
+            raise ValueError(
+                f"--data {directory!r} contains token id {top}, outside the model's vocab_size {vocab_size}"
+            )
+        self.order = SeededOrder(self.num_samples, seed)
+        self.directory, self.seed = directory, seed
+
+    @property
+    def identity(self) -> dict[str, object]:
+        return {"rows": self.num_samples, "seq_length": self.seq_length, "seed": self.seed,
+                "targets": int(self.meta["targets"])}  # fmt: skip
+
+    def row(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """(tokens, labels, document starts, real tokens) of the row read at run position `index`."""
+        r = self.order(index)
+        starts = np.asarray(self.doc_starts[self.row_offsets[r] : self.row_offsets[r + 1]], dtype=np.int64)
+        tokens, labels = (
+            np.asarray(self.tokens[r], dtype=np.int64),
+            np.asarray(self.labels[r], dtype=np.int64),
+        )
+        return tokens, labels, starts, int(self.real_tokens[r])
+
+    def micro_batch(self, consumed: int, micro: int, rank: int, world: int, micro_batch: int) -> Batch:
+        ids, labels, cuts, real = [], [], [], 0
+        for n, position in enumerate(SeededOrder.positions(consumed, micro, rank, world, micro_batch)):
+            t, lab, starts, row_real = self.row(position)
+            ids.append(t)
+            labels.append(lab)
+            cuts.extend((starts + n * self.seq_length).tolist())
+            real += row_real
+        cuts.append(micro_batch * self.seq_length)
+        return Batch(
+            torch.from_numpy(np.concatenate(ids))[None],
+            torch.from_numpy(np.concatenate(labels))[None],
+            cu_seqlens=torch.tensor(cuts, dtype=torch.int32),
+            real_tokens=real,
+        )
