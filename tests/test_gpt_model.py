@@ -268,10 +268,15 @@ def test_mtp_through_megatrons_block(tmp_path):
     save_tiny_hf(tmp_path, CONFIG_A)
     add_mtp_tensors(tmp_path)
     cfg = Glm53Config.from_hf(str(tmp_path))
+    # the snippet as written: a config without mtp=True takes megatron's MTP fields from the spec's layer
+    plain = GPTModel(make_transformer_config(cfg), get_glm53_block_spec(cfg), cfg.vocab_size, S,
+                     position_embedding_type="none", mtp_block_spec=get_glm53_mtp_block_spec(cfg))  # fmt: skip
+    assert plain.config.mtp_num_layers == 1 and plain.config.mtp_loss_scaling_factor == cfg.mtp_loss_weight
     with pytest.raises(ValueError, match="mtp=True"):
-        GPTModel(make_transformer_config(cfg), get_glm53_block_spec(cfg), cfg.vocab_size, S,
+        GPTModel(make_transformer_config(cfg, mtp_num_layers=2), get_glm53_block_spec(cfg), cfg.vocab_size, S,
                  position_embedding_type="none", mtp_block_spec=get_glm53_mtp_block_spec(cfg))  # fmt: skip
     gpt = load_hf_into(gpt_model(cfg, mtp=True).eval(), str(tmp_path))
+    plain_gpt = load_hf_into(plain.eval(), str(tmp_path))
     ours = glm53_ds.load_hf(str(tmp_path), mtp=True).eval()
     ids, mask, _ = batch(cfg.vocab_size, s=S, padding="right")
     pos = positions(*ids.shape)
@@ -288,6 +293,11 @@ def test_mtp_through_megatrons_block(tmp_path):
     valid = m2.transpose(0, 1)
     assert rel_err(megatron_normed[valid], fed_normed[valid]) <= 1e-5
     assert rel_err(megatron_normed[valid], reference[valid]) > 1e-2  # the wiring difference is real
+    with torch.no_grad():
+        labels, loss_mask = megatron_targets(ids, mask)
+        args = (ids, pos)
+        kwargs = dict(attention_mask=mask, labels=labels, loss_mask=loss_mask)
+        assert torch.equal(plain_gpt(*args, **kwargs), gpt(*args, **kwargs))
     # megatron returns the LM per-token loss and adds the MTP loss to the gradient (MTPLossAutoScaler). Eval mode:
     # in train mode megatron 0.16.1 logs the MTP loss into a CUDA tensor, which a CPU run cannot allocate.
     labels, loss_mask = megatron_targets(ids, mask)

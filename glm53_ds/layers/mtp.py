@@ -54,6 +54,13 @@ class Glm53MtpLayer(nn.Module):
         cfg = config.glm
         if submodules.transformer_layer is None:
             raise ValueError("Glm53MtpLayer needs submodules.transformer_layer")
+        if not standalone and config.mtp_num_layers is None:
+            # GPTModel(mtp_block_spec=...) on a config built without mtp=True: megatron reads these two fields only
+            # when it runs the MTP block (GPTModel._postprocess), so the spec's layer fills them in, as
+            # make_transformer_config(cfg, mtp=True) would have. The decoder, built before, does not read them
+            # without pipeline parallelism (with it, pass mtp=True: the final norm's stage depends on them).
+            config.mtp_num_layers = cfg.num_nextn_predict_layers
+            config.mtp_loss_scaling_factor = cfg.mtp_loss_weight
         if not standalone and config.mtp_num_layers != cfg.num_nextn_predict_layers:
             raise ValueError(
                 f"GPTModel(mtp_block_spec=...) needs config.mtp_num_layers = {cfg.num_nextn_predict_layers} "
