@@ -34,7 +34,8 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.measure import print_table, write_results  # noqa: E402
-from glm53_ds.layers.kda_ops import chunk_kda_torch  # noqa: E402
+from glm53_ds.layers.documents import Documents  # noqa: E402
+from glm53_ds.layers.kda_ops import chunk_kda_torch, kda_attention  # noqa: E402
 
 FWD_TOL, GRAD_TOL = 1e-5, 1e-4  # fp32, relative to the largest reference magnitude
 CASES = [
@@ -65,6 +66,33 @@ def _interpretable_copy(fla_parent: str, into: str) -> str:
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def _packed_documents_rows() -> list[dict]:
+    """glm53_ds's varlen call (kda_attention with documents -> chunk_kda(cu_seqlens=...)) vs the torch reference
+    run once per document, forward and gradients; control: the same row without boundaries differs."""
+    cuts = [0, 37, 38, 101, 150]  # a 1-token document, documents across the 64-token chunk edges
+    documents = Documents.from_cu_seqlens(torch.tensor(cuts), cuts[-1])
+    g = torch.Generator().manual_seed(5)
+    h, d = 2, 32
+    q, k, v = (torch.randn(1, cuts[-1], h, d, generator=g) for _ in range(3))
+    gate = -5 * torch.sigmoid(torch.randn(1, cuts[-1], h, d, generator=g))
+    beta = torch.sigmoid(torch.randn(1, cuts[-1], h, generator=g))
+    results = {}
+    for backend in ("torch", "fla"):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, gate, beta)]
+        out = kda_attention(*leaves, backend=backend, documents=documents)
+        out.square().mean().backward()
+        results[backend] = (out.detach(), [t.grad for t in leaves])
+    fwd = _rel(results["fla"][0], results["torch"][0])
+    grads = {n: _rel(a, r) for n, a, r in zip("qkvgb", results["fla"][1], results["torch"][1], strict=True)}
+    with torch.no_grad():
+        leaked = _rel(kda_attention(q, k, v, gate, beta, backend="fla"), results["torch"][0])
+    return [
+        dict(shape=f"packed {cuts}", fwd=fwd, **{f"d{n}": e for n, e in grads.items()},
+             ok=fwd <= FWD_TOL and max(grads.values()) <= GRAD_TOL),
+        dict(shape="control packed, no cu_seqlens", fwd=leaked, ok=leaked > FWD_TOL),
+    ]  # fmt: skip
 
 
 def main() -> int:
@@ -118,6 +146,7 @@ def main() -> int:
             broken, _ = chunk_kda(q=q, k=k, v=v, g=gate, beta=beta, use_qk_l2norm_in_kernel=False)
         control = _rel(broken, chunk_kda_torch(q, k, v, gate, beta))
         rows.append(dict(shape=f"control {b}x{s}x{h}x{d}, no l2norm", fwd=control, ok=control > FWD_TOL))
+        rows += _packed_documents_rows()
         version = getattr(fla, "__version__", "?")
     print_table(rows, ["shape", "fwd", "dq", "dk", "dv", "dg", "db", "ok"])
     write_results("kda_fla_interpreter_cpu", dict(fla_version=version, tolerances=dict(fwd=FWD_TOL, grad=GRAD_TOL),

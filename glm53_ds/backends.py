@@ -68,9 +68,10 @@ def resolve(field: str, value: str, device: torch.device) -> str:
     if field == KDA:
         if value == "auto":
             return "fla" if cuda and importable("fla.ops.kda") else "torch"
-        if value == "fla" and not (cuda and importable("fla.ops.kda")):
+        if value == "fla" and not (importable("fla.ops.kda") and (cuda or triton_interpreter_enabled())):
             raise RuntimeError(
-                f"{KDA}='fla' needs CUDA tensors and the fla-core package (pip install fla-core)"
+                f"{KDA}='fla' needs the fla-core package (pip install fla-core) and CUDA tensors (or "
+                f"TRITON_INTERPRET=1, Triton's CPU interpreter)"
             )
     elif field == HC_POST:
         if value == "auto":

@@ -129,9 +129,11 @@ class Glm53TransformerLayer(TransformerLayer):
         tokens = token_mask(attention_mask, padding_mask, b, s, validate=self.expands_streams)
         attention = self.self_attention
         if packed_seq_params is not None:
-            attention = functools.partial(
-                _per_document, self.self_attention, Documents.from_packed_seq_params(packed_seq_params, s, b)
-            )
+            documents = Documents.from_packed_seq_params(packed_seq_params, s, b)
+            if getattr(self.self_attention, "accepts_documents", False):  # KDA: varlen itself
+                attention = functools.partial(self.self_attention, documents=documents)
+            else:  # MLA + DSA indexer: once per document
+                attention = functools.partial(_per_document, self.self_attention, documents)
         streams, selection = self._sublayer(
             self.attn_hc, self.input_layernorm, attention, streams, attention_mask=tokens, shared_topk=context
         )

@@ -5,10 +5,12 @@ increasing; document d is tokens `cu_seqlens[d] : cu_seqlens[d + 1]`. Inside meg
 megatron's `PackedSeqParams(qkv_format="thd", cu_seqlens_q=..., cu_seqlens_kv=...)` (the `packed_seq_params`
 argument `TransformerBlock` hands every layer), so a stock `GPTModel` passes them too.
 
-Only the sequence mixers (KDA, MLA with its DSA indexer) see documents; everything else works per token. The
-mixer runs once per document on that document's slice (`Glm53TransformerLayer`), which is exact by construction:
-the KDA state and short-conv window start at zero, attention and the indexer's k-pools start at the document's
-first token, and a `shared` DSA layer reuses the selection of the same document.
+Only the sequence mixers (KDA, MLA with its DSA indexer) see documents; everything else works per token. KDA takes
+the documents itself (`accepts_documents`): its short conv runs per document and its recurrence restarts at each
+boundary (fla's varlen kernel with `cu_seqlens` on CUDA, the torch path once per document otherwise). MLA with its
+indexer runs once per document on that document's slice (`transformer_layer._per_document`): attention and the
+indexer's k-pools start at the document's first token, and a `shared` DSA layer reuses the selection of the same
+document. Both are exact by construction.
 """
 
 from __future__ import annotations

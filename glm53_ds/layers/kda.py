@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..transformer_config import Glm53TransformerConfig
+from .documents import Documents
 from .kda_ops import kda_attention
 from .linear import ColumnLinear, RowLinear
 from .norm import GatedRMSNorm
@@ -100,23 +101,37 @@ class KimiDeltaAttention(nn.Module):
         )
         return F.silu(y[..., :s]).to(x.dtype).transpose(1, 2)
 
+    # packed documents: this module restarts its conv window and recurrent state at each boundary itself (fla's
+    # varlen kernel), instead of running once per document (transformer_layer._per_document)
+    accepts_documents = True
+
     def forward(
-        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **unused: Any
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        documents: Documents | None = None,
+        **unused: Any,
     ) -> tuple[torch.Tensor, None]:
-        """hidden_states [s, b, D], attention_mask [b, s] bool (True = real token) -> ([s, b, D], None)."""
+        """hidden_states [s, b, D], attention_mask [b, s] bool (True = real token), documents: packed documents
+        of a batch-1 row (layers/documents.py) -> ([s, b, D], None)."""
         x = hidden_states.transpose(0, 1)  # [b, s, D]
         if attention_mask is not None:
             x = (x * attention_mask[:, :, None]).to(x.dtype)  # padding contributes nothing to the state
         b, s, _ = x.shape
         heads = (b, s, self.num_heads, self.head_dim)
 
-        q = self._short_conv(self.q_conv1d, self.q_proj(x)).reshape(heads)
-        k = self._short_conv(self.k_conv1d, self.k_proj(x)).reshape(heads)
-        v = self._short_conv(self.v_conv1d, self.v_proj(x)).reshape(heads)
+        def conv(module: nn.Conv1d, y: torch.Tensor) -> torch.Tensor:
+            if documents is None:
+                return self._short_conv(module, y)
+            return torch.cat([self._short_conv(module, y[:, a:e]) for a, e in documents.bounds], dim=1)
+
+        q = conv(self.q_conv1d, self.q_proj(x)).reshape(heads)
+        k = conv(self.k_conv1d, self.k_proj(x)).reshape(heads)
+        v = conv(self.v_conv1d, self.v_proj(x)).reshape(heads)
         g = self.forget_gate(x)  # [b, s, H, dk] fp32
         beta = torch.sigmoid(self.b_proj(x))  # [b, s, H]
 
-        core = kda_attention(q, k, v, g, beta, backend=self.kda_impl)  # [b, s, H, dv]
+        core = kda_attention(q, k, v, g, beta, backend=self.kda_impl, documents=documents)  # [b, s, H, dv]
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(heads)
         out = self.o_proj(self.o_norm(core, gate).reshape(b, s, -1))
         return out.transpose(0, 1), None

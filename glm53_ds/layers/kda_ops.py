@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import backends
+from .documents import Documents
 
 CHUNK_SIZE = 64
 
@@ -95,12 +96,20 @@ def kda_attention(
     g: torch.Tensor,
     beta: torch.Tensor,
     backend: str = "auto",
+    documents: Documents | None = None,
 ) -> torch.Tensor:
     """`backend` (the config's `kda_impl`): fla-core's chunked KDA kernel, the torch reference, or `auto` (fla on
-    CUDA when installed)."""
+    CUDA when installed). `documents` (batch 1): the state restarts at each document, through fla's varlen kernel
+    (`cu_seqlens`) or the torch reference once per document."""
     if backends.resolve(backends.KDA, backend, q.device) == "fla":
         from fla.ops.kda import chunk_kda
 
-        out, _ = chunk_kda(q=q, k=k, v=v, g=g.float(), beta=beta, use_qk_l2norm_in_kernel=True)
+        cu = None if documents is None else documents.cu_seqlens.to(device=q.device, dtype=torch.long)
+        out, _ = chunk_kda(q=q, k=k, v=v, g=g.float(), beta=beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
         return out.to(q.dtype)
-    return chunk_kda_torch(q, k, v, g, beta)
+    if documents is None:
+        return chunk_kda_torch(q, k, v, g, beta)
+    parts = [
+        chunk_kda_torch(q[:, a:e], k[:, a:e], v[:, a:e], g[:, a:e], beta[:, a:e]) for a, e in documents.bounds
+    ]
+    return torch.cat(parts, dim=1)
