@@ -50,16 +50,18 @@ step() {  # step LIMIT_SECONDS COMMAND...
     step 120 python3 benchmarks/hc_post.py --tokens 256 --hidden 256 --dtype bf16
     step 120 python3 benchmarks/model_step.py --size tiny --seq 128 --repeats 1
     step 120 python3 benchmarks/mhc_overhead.py --seq 128 --hidden 128 --layers 4
+    step 300 python3 benchmarks/head_memory.py --tokens 512 --repeats 1
     step 300 python3 -m deepspeed.launcher.runner --num_gpus 1 launch/train.py --train-iters 3 \
       --deepspeed_config ds_configs/zero2_bf16.json --output-dir "$results/train"
   else
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-    python3 -c "import glm53_ds.layers.kda_ops as k; print('fla available:', k._fla_available())"
+    python3 -c "from glm53_ds.backends import importable; print('fla available:', importable('fla.ops.kda'))"
     step 120 python3 benchmarks/gpu_correctness.py
     step 75 python3 benchmarks/hc_post.py --tokens 4096 16384 --hidden 4096 --hc-mult 4 --dtype bf16 fp32
     step 140 python3 benchmarks/model_step.py --size real --seq 4096 16384 --dtype bf16
     step 90 python3 benchmarks/mhc_overhead.py --seq 16384 --hidden 4096 --layers 4 --dtype bf16
+    step 60 python3 benchmarks/head_memory.py --tokens 16384
     step 90 python3 -m deepspeed.launcher.runner --num_gpus 1 launch/train.py --train-iters 30 \
       --deepspeed_config ds_configs/zero2_bf16.json --output-dir "$results/train"
   fi

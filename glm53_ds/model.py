@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import VocabParallelEmbedding
 from megatron.core.transformer.spec_utils import build_module
@@ -30,6 +29,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from torch import nn
 
 from .config import Glm53Config
+from .layers.chunked_ce import linear_cross_entropy
 from .layers.documents import Documents
 from .layers.linear import ColumnLinear
 from .layers.mtp import Glm53MtpLayer, shift_left
@@ -140,23 +140,21 @@ class Glm53Model(nn.Module):
         if next_tokens is not None and labels is not None:
             labels = torch.cat([labels, next_tokens.to(labels.dtype)], dim=1)
         hidden = self._hidden(input_ids, mask, docs)  # [s, b, D]
-        logits = self._logits(self.final_norm.normalize(hidden))
+        normed_lm = self.final_norm.normalize(hidden)
         if labels is None:
-            return logits
+            return self._logits(normed_lm)
         norms = token_normalizers
         if norms is not None and len(norms) != 1 + (len(self.mtp) if self.mtp is not None else 0):
             raise ValueError(
                 f"token_normalizers needs one value for the LM loss and one per MTP depth, got {norms}"
             )
-        lm_loss = causal_lm_loss(logits, labels, 1, docs, None if norms is None else norms[0])
+        lm_loss = self._head_loss(normed_lm, labels, 1, docs, None if norms is None else norms[0])
         loss, mtp_loss, aux_loss = lm_loss, None, None
         if self.mtp is not None:
             normed = self._mtp_normed(hidden, input_ids, mask, docs)
             mtp_loss = torch.stack(
                 [
-                    causal_lm_loss(
-                        self._logits(n), labels, depth + 1, docs, None if norms is None else norms[depth]
-                    )
+                    self._head_loss(n, labels, depth + 1, docs, None if norms is None else norms[depth])
                     for depth, n in enumerate(normed, start=1)
                 ]
             ).mean()
@@ -188,6 +186,25 @@ class Glm53Model(nn.Module):
             (shifted_targets(labels, s, shift, docs) != IGNORE_INDEX).sum() for shift in range(1, depths + 1)
         ]
         return torch.stack(counts)
+
+    def _head_loss(
+        self,
+        normed: torch.Tensor,
+        labels: torch.Tensor,
+        shift: int,
+        docs: Documents | None,
+        normalizer: float | torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The output layer + cross entropy of normed [s, b, D] against labels[t + shift], over chunks of tokens
+        (layers/chunked_ce.py: no [tokens, vocab] logits are kept; `config.loss_chunk_bytes` sizes a chunk)."""
+        s, b, d = normed.shape
+        target = (
+            shifted_targets(labels, s, shift, docs).t().reshape(-1)
+        )  # [s * b], the order of normed's rows
+        weight = self.output_layer.weight
+        return linear_cross_entropy(
+            normed.reshape(s * b, d), weight, target, normalizer, chunk_bytes=self.config.loss_chunk_bytes
+        )
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
         return self.output_layer(normed).float().transpose(0, 1)  # [s, b, V] -> [b, s, V]
@@ -276,23 +293,6 @@ def shifted_targets(
     if documents is not None:
         target = target.masked_fill(~documents.same_document(shift, target.device)[None], IGNORE_INDEX)
     return target
-
-
-def causal_lm_loss(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    shift: int,
-    documents: Documents | None = None,
-    normalizer: float | torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Cross entropy of logits[:, t] against labels[:, t + shift] (HF's for shift 1): the mean over this batch's
-    targets, or their sum divided by `normalizer` (a global batch's count, see `Glm53Model.forward`)."""
-    target = shifted_targets(labels, logits.shape[1], shift, documents).reshape(-1)
-    flat = logits.float().reshape(-1, logits.shape[-1])
-    if normalizer is None:
-        return F.cross_entropy(flat, target, ignore_index=IGNORE_INDEX)
-    total = F.cross_entropy(flat, target, ignore_index=IGNORE_INDEX, reduction="sum")
-    return total / torch.as_tensor(normalizer, dtype=total.dtype, device=total.device).clamp_min(1.0)
 
 
 def build_model(

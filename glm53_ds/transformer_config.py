@@ -16,6 +16,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from . import backends
 from .config import Glm53Config
+from .layers.chunked_ce import DEFAULT_CHUNK_BYTES
 from .parallel.state import ensure_model_parallel
 
 
@@ -35,6 +36,9 @@ class Glm53TransformerConfig(TransformerConfig):
     # Weight of the DSA indexer's own KL loss (docs/indexer_loss.md); 0 = the indexer is frozen (the LM loss gives
     # it no gradient, as in transformers).
     indexer_loss_coef: float = 0.0
+    # LM / MTP loss over chunks of tokens: one chunk's fp32 logits stay within this many bytes (layers/chunked_ce.py);
+    # 0 = the materialised [tokens, vocab] logits (the reference path).
+    loss_chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
     def __post_init__(self) -> None:
         if not isinstance(self.glm, Glm53Config):

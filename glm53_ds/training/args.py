@@ -25,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--recompute", choices=["none", "selective", "full"],
                    help="activation recompute: selective = mHC pre/post + FFN; full = whole layers")  # fmt: skip
     m.add_argument("--aux-loss-coef", type=float, help="sequence-wise MoE balance loss weight (0 = off)")
+    m.add_argument("--loss-chunk-mib", type=int, help="the LM / MTP loss runs over chunks of tokens whose fp32 "
+                   "logits fit in this many MiB, never holding [tokens, vocab] logits; 0 = materialised logits")  # fmt: skip
 
     m.add_argument("--indexer-loss-coef", type=float, help="train the DSA indexers by a KL loss to the main "
                    "attention (DeepSeek-V3.2), weighted by this; 0 keeps them frozen, as the LM loss gives them no "

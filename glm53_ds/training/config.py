@@ -38,6 +38,9 @@ class TrainConfig:
     recompute: str = "none"
     aux_loss_coef: float = 0.0
     indexer_loss_coef: float = 0.0  # > 0: train the DSA indexers by their KL loss (else they stay frozen)
+    loss_chunk_mib: int = (
+        256  # the LM / MTP head's chunk of fp32 logits (layers/chunked_ce.py); 0 = materialised
+    )
     # parallelism
     ep: int = 1
     etp: int = 1
@@ -127,7 +130,8 @@ class TrainConfig:
             positive(name, getattr(self, name))
         if self.global_batch_size is not None:
             positive("global_batch_size", self.global_batch_size)
-        for name in ("train_iters", "warmup", "save_interval", "check_replicas_interval", "log_interval"):
+        for name in ("train_iters", "warmup", "save_interval", "check_replicas_interval", "log_interval",
+                     "loss_chunk_mib"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise SetupError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         for name in ("lr", "min_lr", "weight_decay", "clip_grad", "router_bias_update_rate", "aux_loss_coef",

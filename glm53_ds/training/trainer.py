@@ -232,7 +232,8 @@ class Trainer:
         dtype = torch.bfloat16 if self.ds_config.get("bf16", {}).get("enabled") else torch.float32
         tconfig = make_transformer_config(
             cfg, dtype=dtype, expert_model_parallel_size=c.ep, expert_tensor_parallel_size=c.etp,
-            moe_seq_aux_loss_coef=c.aux_loss_coef, indexer_loss_coef=c.indexer_loss_coef, **_recompute(c.recompute),
+            moe_seq_aux_loss_coef=c.aux_loss_coef, indexer_loss_coef=c.indexer_loss_coef,
+            loss_chunk_bytes=c.loss_chunk_mib * 2**20, **_recompute(c.recompute),
         )  # fmt: skip
         torch.manual_seed(c.seed)
         use_mtp = cfg.num_nextn_predict_layers > 0
