@@ -214,3 +214,19 @@ def test_streaming_peak_memory(tmp_path):
     )
     control = peak_extra("load_all")  # the measurement sees a non-streaming load
     assert control > 10 * bound, f"control {control / 2**20:.1f} MiB"
+
+
+def test_describe_reports_layout_and_completeness(hf_with_mtp, tmp_path, capsys):
+    """`describe` names the layout a checkpoint was written at and checks every file against the manifest; a
+    truncated expert shard makes it fail, naming the file (the control)."""
+    from glm53_ds.convert.__main__ import main as convert_main
+
+    native = hf_to_native(str(hf_with_mtp), str(tmp_path / "native"), ep=2, etp=2)
+    assert convert_main(["describe", native]) == 0
+    report = capsys.readouterr().out
+    assert "EP 2, ETP 2, model only" in report and "4/4 expert shards" in report and "complete" in report
+    shard = next(p for p in (tmp_path / "native").rglob("experts_ep001_etp000*") if p.is_file())
+    shard.write_bytes(shard.read_bytes()[:-8])
+    assert convert_main(["describe", native]) == 1
+    report = capsys.readouterr().out
+    assert "INCOMPLETE" in report and f"{shard.name} has" in report

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import glm53_ds
+from glm53_ds.convert.__main__ import main as convert_main
 from glm53_ds.training.data import ByteTokenizer, HFTokenizer, open_stream
 from glm53_ds.training.packing import IGNORE_INDEX, byte_chat_template, chat_messages, pack, render_chat
 from glm53_ds.training.presets import preset
@@ -179,13 +180,16 @@ def test_tiny_chat_run_trains_on_assistant_tokens(tmp_path):
     assert last < first - 0.5, (first, last)
 
 
-def test_packed_chat_resume_is_bitwise(tmp_path):
+def test_packed_chat_resume_is_bitwise(tmp_path, capsys):
     """Packed rows resume at their consumed-sample position: steps 3-4 after a resume from step 2 equal the
-    uninterrupted run's bitwise."""
+    uninterrupted run's bitwise. `convert describe` reports the training checkpoint complete, with its layout."""
     common = ["--data", CHAT, "--train-iters", "4", "--micro-batch-size", "2", "--global-batch-size", "4"]
     first = python_run(*common, "--save-interval", "2", "--save", str(tmp_path / "ckpt"),
                        "--output-dir", str(tmp_path / "a"))  # fmt: skip
     assert first.returncode == 0, first.stderr[-2000:]
+    assert convert_main(["describe", str(tmp_path / "ckpt"), "--tag", "step2"]) == 0
+    report = capsys.readouterr().out
+    assert "world size 1, EP 1, ETP 1, with optimizer state" in report and "complete" in report
     again = python_run(*common, "--load", str(tmp_path / "ckpt"), "--load-tag", "step2",
                        "--output-dir", str(tmp_path / "b"))  # fmt: skip
     assert again.returncode == 0, again.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""`python -m glm53_ds.convert` / `glm53-convert`: hf-to-native, native-to-hf, verify."""
+"""`python -m glm53_ds.convert` / `glm53-convert`: hf-to-native, native-to-hf, verify, describe."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from .describe import describe_checkpoint
 from .export_hf import native_to_hf
 from .import_hf import hf_to_native
 from .verify import verify
@@ -34,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("verify", help="compare a released checkpoint and a native one")
     c.add_argument("--hf-dir", required=True)
     c.add_argument("--ckpt", required=True)
+    d = sub.add_parser("describe", help="a checkpoint's layout and contents, and whether it is complete")
+    d.add_argument("ckpt", help="a training or converted checkpoint directory (follows 'latest')")
+    d.add_argument("--tag", default=None, help="a tag instead of 'latest'")
     args = parser.parse_args(argv)
     try:
         if args.command == "hf-to-native":
@@ -41,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
                          force=args.force, progress=True)  # fmt: skip
         elif args.command == "native-to-hf":
             native_to_hf(args.ckpt, args.out, hf_template=args.hf_template, force=args.force, progress=True)
+        elif args.command == "describe":
+            return describe_checkpoint(args.ckpt, args.tag)
         else:
             return 0 if verify(args.hf_dir, args.ckpt) == 0.0 else 1
     except (ValueError, OSError) as e:
