@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import glm53_ds  # noqa: E402
 from benchmarks.measure import device_description, peak_extra_bytes, print_table, time_call, write_results  # noqa: E402
 from glm53_ds.config import Glm53Config  # noqa: E402
-from glm53_ds.mhc import expand_streams, hc_head  # noqa: E402
+from glm53_ds.mhc import hc_head, unpack_streams  # noqa: E402
 from glm53_ds.specs import get_glm53_block_spec  # noqa: E402
 from glm53_ds.transformer_config import make_transformer_config  # noqa: E402
 
@@ -35,6 +35,7 @@ def build(cfg: Glm53Config, with_mhc: bool, device: torch.device, dtype: torch.d
         for layer in spec.layer_specs:
             layer.submodules.attn_hc = None
             layer.submodules.ffn_hc = None
+            layer.params = {k: v for k, v in layer.params.items() if k != "expands_streams"}
     torch.manual_seed(0)
     with device:
         return TransformerBlock(make_transformer_config(cfg, dtype), spec, post_layer_norm=False)
@@ -72,9 +73,12 @@ def main() -> None:
         block = build(cfg, with_mhc, device, dtype)
 
         def step(block=block, with_mhc=with_mhc) -> None:
-            h = expand_streams(x, cfg.hc_mult) if with_mhc else x
-            out = block(h, attention_mask=mask)
-            (hc_head(out) if with_mhc else out).float().square().mean().backward()
+            out = block(
+                x, attention_mask=mask
+            )  # with mHC: the first layer expands, the streams come out packed
+            (
+                hc_head(unpack_streams(out, cfg.hc_mult)) if with_mhc else out
+            ).float().square().mean().backward()
 
         seconds = time_call(step, device, warmup=1, repeats=3)
         peak = peak_extra_bytes(step, list(block.parameters()))
