@@ -125,9 +125,10 @@ def _native_names(cfg: Glm53Config) -> list[str]:
     return sorted({p.native for ps in released_layout(cfg, mtp=False).values() for p in ps})
 
 
-def test_fp32_gradients_of_every_parameter(pair):
+@pytest.mark.parametrize("padding", [None, "left"])
+def test_fp32_gradients_of_every_parameter(pair, padding):
     _, hf, gpt = pair
-    ids, mask, hf_labels = batch(hf.config.text_config.vocab_size, s=S, padding="left", seed=3)
+    ids, mask, hf_labels = batch(hf.config.text_config.vocab_size, s=S, padding=padding, seed=3)
     labels, loss_mask = megatron_targets(ids, mask)
     hf.zero_grad()
     gpt.zero_grad()
