@@ -99,18 +99,23 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
     return ByteTokenizer() if spec == "bytes" else HFTokenizer(spec)
 
 
+def _jsonl_records(path: str) -> Iterator[tuple[str, Any]]:
+    """(`file:line`, parsed record) for every non-blank line of a .jsonl file; a bad line names file and line."""
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield f"{path}:{i}", json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{i}: not a JSON line ({e.msg} at column {e.colno})") from e
+
+
 def _documents(path: str) -> Iterator[str]:
     if path.endswith(".jsonl"):
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        doc = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{i}: not a JSON line ({e.msg} at column {e.colno})") from e
-                    if not isinstance(doc, dict) or "text" not in doc:
-                        raise ValueError(f"{path}:{i}: a jsonl document needs a 'text' field")
-                    yield doc["text"]
+        for where, doc in _jsonl_records(path):
+            if not isinstance(doc, dict) or "text" not in doc:
+                raise ValueError(f"{where}: a jsonl document needs a 'text' field")
+            yield doc["text"]
     else:
         with open(path, encoding="utf-8") as f:
             yield f.read()
@@ -134,11 +139,11 @@ def build_indexed_dataset(input_path: str, output_prefix: str, tokenizer: ByteTo
     return output_prefix
 
 
-def _cache_key(data: str, tokenizer_spec: str) -> str:
-    stat = os.stat(data)
-    return hashlib.sha1(
-        f"{os.path.abspath(data)}|{stat.st_size}|{stat.st_mtime_ns}|{tokenizer_spec}".encode()
-    ).hexdigest()[:16]
+def _cache_key(path: str, *options: object) -> str:
+    """A cache name for what is built from `path` (its size and mtime) with `options` (tokenizer, ...)."""
+    stat = os.stat(path)
+    fields = [os.path.abspath(path), stat.st_size, stat.st_mtime_ns, *options]
+    return hashlib.sha1("|".join(str(f) for f in fields).encode()).hexdigest()[:16]
 
 
 def resolve_dataset(
@@ -160,28 +165,14 @@ def is_chat_jsonl(path: str) -> bool:
     """Whether a .jsonl holds chat data (its first record has 'messages' or 'prompt' + 'completion')."""
     if not path.endswith(".jsonl"):
         return False
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{i}: not a JSON line ({e.msg} at column {e.colno})") from e
-                return isinstance(record, dict) and ("messages" in record or "prompt" in record)
+    for _, record in _jsonl_records(path):
+        return isinstance(record, dict) and ("messages" in record or "prompt" in record)
     return False
 
 
 def _chat_documents(path: str, tokenizer: Any) -> Iterator[tuple[list[int], list[bool]]]:
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{i}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not a JSON line ({e.msg} at column {e.colno})") from e
-            yield render_chat(tokenizer, chat_messages(record, where), where)
+    for where, record in _jsonl_records(path):
+        yield render_chat(tokenizer, chat_messages(record, where), where)
 
 
 def _text_documents(prefix: str) -> Iterator[tuple[list[int], list[bool]]]:
@@ -210,12 +201,9 @@ def open_stream(
             resolve_dataset(data, tokenizer, tokenizer_spec, cache_dir), seq_length, seed, vocab_size
         )
     source = data if chat else resolve_dataset(data, tokenizer, tokenizer_spec, cache_dir)
-    stat_of = source if chat else source + ".bin"
-    stat = os.stat(stat_of)
-    key = hashlib.sha1(
-        f"{os.path.abspath(stat_of)}|{stat.st_size}|{stat.st_mtime_ns}|{tokenizer_spec}|{seq_length}|"
-        f"{'chat' if chat else 'pack'}".encode()
-    ).hexdigest()[:16]
+    key = _cache_key(
+        source if chat else source + ".bin", tokenizer_spec, seq_length, "chat" if chat else "pack"
+    )
     directory = os.path.join(cache_dir, f"{os.path.basename(data)}.{key}.packed")
     if not os.path.isfile(os.path.join(directory, "meta.json")):
         os.makedirs(cache_dir, exist_ok=True)

@@ -212,7 +212,9 @@ def build_packed(
         np.save(os.path.join(tmp, "doc_starts.npy"), flat)
         np.save(os.path.join(tmp, "row_offsets.npy"), offsets)
         np.save(os.path.join(tmp, "real_tokens.npy"), np.asarray(real, dtype=np.int32))
-        meta = dict(seq_length=seq_length, rows=int(tokens.shape[0]), **counts)
+        meta = dict(
+            seq_length=seq_length, rows=int(tokens.shape[0]), max_token_id=int(tokens.max()), **counts
+        )
         with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
             json.dump(meta, f)
     return directory
@@ -231,7 +233,7 @@ class PackedRowStream:
             self.meta = json.load(f)
         self.seq_length = int(self.tokens.shape[1])
         self.num_samples = int(self.tokens.shape[0])
-        top = int(self.tokens.max())
+        top = int(self.meta["max_token_id"])  # recorded at build time: no scan of the rows at start-up
         if top >= vocab_size:
             raise ValueError(
                 f"--data {directory!r} contains token id {top}, outside the model's vocab_size {vocab_size}"
