@@ -14,6 +14,13 @@ before it (docs/mtp.md). Parameter names are the native checkpoint names (conver
 `moe_seq_aux_loss_coef > 0`); `return_parts=True` returns them as a `LossParts` of tensors instead (nothing
 in the forward pass waits for the host; the caller reads the values when it logs).
 Process groups come in as megatron's `pg_collection` (the layout's); without one, megatron's global state.
+
+Sequence parallelism (`pg_collection.sp`, parallel/sequence.py): every rank of an SP group of N is handed the
+same whole rows (input_ids, labels, masks, cu_seqlens: a few bytes per token) and computes its contiguous 1/N of
+the tokens; the targets of its last positions and the MTP inputs come from the whole rows, so they are exact across
+shard boundaries. Its loss is its shard's token sum over the whole batch's target count (or the given
+`token_normalizers`): the sum over the SP group is the loss of the rows, and so are the gradients (the engine sums
+them over SP). Logits, `mtp_logits` and `count_targets` are the local shard's.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from .layers.documents import Documents
 from .layers.linear import ColumnLinear
 from .layers.mtp import Glm53MtpLayer, shift_left
 from .parallel import ensure_model_parallel
+from .parallel.sequence import SequenceParallel
 from .specs import get_glm53_block_spec, get_glm53_mtp_block_spec
 from .transformer_config import Glm53TransformerConfig, make_transformer_config
 
@@ -90,6 +98,12 @@ class Glm53Model(nn.Module):
         cfg = config.glm
         self.config = config
         self.glm = cfg
+        self.sequence = SequenceParallel.of(pg_collection)  # None without sequence parallelism
+        if self.sequence is not None and config.moe_seq_aux_loss_coef > 0:
+            raise ValueError(
+                f"moe_seq_aux_loss_coef = {config.moe_seq_aux_loss_coef} with sequence parallelism (SP = "
+                f"{self.sequence.size}): the per-sequence MoE auxiliary loss is not supported under SP; set it to 0"
+            )
         self.embedding = VocabParallelEmbedding(
             cfg.vocab_size, cfg.hidden_size, init_method=config.init_method, config=config
         )
@@ -183,9 +197,14 @@ class Glm53Model(nn.Module):
         s = labels.shape[1] - (0 if next_tokens is None else next_tokens.shape[1])
         depths = 1 + (len(self.mtp) if self.mtp is not None else 0)
         counts = [
-            (shifted_targets(labels, s, shift, docs) != IGNORE_INDEX).sum() for shift in range(1, depths + 1)
+            (self._local(shifted_targets(labels, s, shift, docs)) != IGNORE_INDEX).sum()
+            for shift in range(1, depths + 1)
         ]
         return torch.stack(counts)
+
+    def _local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of a whole-row tensor [b, S, ...] (all of it without sequence parallelism)."""
+        return x if self.sequence is None else self.sequence.shard(x, dim=1)
 
     def _head_loss(
         self,
@@ -198,9 +217,10 @@ class Glm53Model(nn.Module):
         """The output layer + cross entropy of normed [s, b, D] against labels[t + shift], over chunks of tokens
         (layers/chunked_ce.py: no [tokens, vocab] logits are kept; `config.loss_chunk_bytes` sizes a chunk)."""
         s, b, d = normed.shape
-        target = (
-            shifted_targets(labels, s, shift, docs).t().reshape(-1)
-        )  # [s * b], the order of normed's rows
+        whole = shifted_targets(labels, s * (1 if self.sequence is None else self.sequence.size), shift, docs)
+        if normalizer is None and self.sequence is not None:  # the rows' target count, not the shard's
+            normalizer = (whole != IGNORE_INDEX).sum()
+        target = self._local(whole).t().reshape(-1)  # [s * b], the order of normed's rows
         weight = self.output_layer.weight
         return linear_cross_entropy(
             normed.reshape(s * b, d), weight, target, normalizer, chunk_bytes=self.config.loss_chunk_bytes
@@ -211,9 +231,11 @@ class Glm53Model(nn.Module):
 
     def _hidden(self, input_ids: torch.Tensor, mask: torch.Tensor, docs: Documents | None) -> torch.Tensor:
         """Embedding -> decoder (streams) -> stream mean [s, b, D] (before the final norm; MTP reads it)."""
-        x = self.embedding(input_ids).transpose(0, 1)  # [b, s, D] -> [s, b, D]
+        x = self.embedding(self._local(input_ids)).transpose(0, 1)  # [b, s, D] -> [s, b, D]
         packed_seq = None if docs is None else docs.packed_seq_params()
-        packed = self.decoder(x, attention_mask=mask, packed_seq_params=packed_seq)  # [s*n, b, D]
+        packed = self.decoder(
+            x, attention_mask=self._local(mask), packed_seq_params=packed_seq
+        )  # [s*n, b, D]
         return self.final_norm.stream_mean(packed)
 
     def _mtp_normed(
@@ -228,8 +250,8 @@ class Glm53Model(nn.Module):
             next_ids, next_mask = shift_left(input_ids, depth), mask & shift_left(mask, depth)
             if docs is not None:
                 next_mask = next_mask & docs.same_document(depth, mask.device)[None]
-            emb = self.embedding(next_ids).transpose(0, 1)
-            hidden, normed = layer.predict(hidden, emb, next_mask, packed_seq)
+            emb = self.embedding(self._local(next_ids)).transpose(0, 1)
+            hidden, normed = layer.predict(hidden, emb, self._local(next_mask), packed_seq)
             out.append(normed)
         return out
 
@@ -252,6 +274,11 @@ class Glm53Model(nn.Module):
     ) -> torch.Tensor:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if self.sequence is not None and input_ids.shape[1] % self.sequence.size:
+            raise ValueError(
+                f"sequence length {input_ids.shape[1]} is not divisible by SP = {self.sequence.size} (each SP rank "
+                "holds an equal contiguous part of every row; pass the whole rows to every SP rank)"
+            )
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.glm.vocab_size):
             raise ValueError(
                 f"input_ids must lie in [0, vocab_size={self.glm.vocab_size}), got range "

@@ -39,9 +39,9 @@ from torch.utils.checkpoint import checkpoint
 
 from .layers.documents import Documents
 from .layers.masks import token_mask
-from .layers.mla import kl_loss
 from .layers.moe import Glm53MoE
 from .mhc import expand_streams, hc_post, pack_streams, unpack_streams
+from .parallel.sequence import SequenceParallel
 
 
 @dataclass
@@ -87,6 +87,8 @@ class Glm53TransformerLayer(TransformerLayer):
         modules = set(config.recompute_modules or []) if selective else set()
         self.recompute_mhc = selective and bool(getattr(config, "recompute_mhc", False))
         self.recompute_ffn = bool(modules & {"mlp", "moe"})
+        sequence = SequenceParallel.of(self.pg_collection)
+        self.sp_size = 1 if sequence is None else sequence.size
 
     @property
     def uses_mhc(self) -> bool:
@@ -117,8 +119,8 @@ class Glm53TransformerLayer(TransformerLayer):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states: the embedding [s, b, D] (first layer), packed streams [s*n, b, D] (or [s, b, n, D]), or
         [s, b, D] without mHC; attention_mask / padding_mask in any convention of layers/masks.py; context: the
-        previous DSA layer's selection; packed_seq_params: packed documents (layers/documents.py), the attention runs
-        once per document. Returns (packed streams or [s, b, D], selection for the next layer)."""
+        previous DSA layer's selection; packed_seq_params: packed documents of the whole row (layers/documents.py),
+        which the attention modules take. Returns (packed streams or [s, b, D], selection for the next layer)."""
         if not self.uses_mhc:
             streams = hidden_states
         elif self.expands_streams:
@@ -129,11 +131,13 @@ class Glm53TransformerLayer(TransformerLayer):
         tokens = token_mask(attention_mask, padding_mask, b, s, validate=self.expands_streams)
         attention = self.self_attention
         if packed_seq_params is not None:
-            documents = Documents.from_packed_seq_params(packed_seq_params, s, b)
-            if getattr(self.self_attention, "accepts_documents", False):  # KDA: varlen itself
-                attention = functools.partial(self.self_attention, documents=documents)
-            else:  # MLA + DSA indexer: once per document
-                attention = functools.partial(_per_document, self.self_attention, documents)
+            # the whole row's documents (under sequence parallelism this rank holds s of its s * SP tokens)
+            documents = Documents.from_packed_seq_params(packed_seq_params, s * self.sp_size, b)
+            if not getattr(self.self_attention, "accepts_documents", False):
+                raise ValueError(
+                    f"{type(self.self_attention).__name__} does not take packed documents (packed_seq_params)"
+                )
+            attention = functools.partial(self.self_attention, documents=documents)
         streams, selection = self._sublayer(
             self.attn_hc, self.input_layernorm, attention, streams, attention_mask=tokens, shared_topk=context
         )
@@ -146,36 +150,6 @@ class Glm53TransformerLayer(TransformerLayer):
 
         streams, _ = self._sublayer(self.ffn_hc, self.pre_mlp_layernorm, ffn_maybe_recomputed, streams)
         return (pack_streams(streams) if self.uses_mhc else streams), selection
-
-
-def _per_document(
-    attention: Any,
-    documents: Documents,
-    hidden_states: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    shared_topk: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The sequence mixer once per document on its slice of the packed row: [T, 1, D] -> ([T, 1, D], the
-    selections concatenated in document-local indices, which a `shared` layer slices the same way). A DSA
-    indexer's loss is summed over documents and divided by all their queries, as one batch would be."""
-    outputs, selections, terms = [], [], []
-    for start, end in documents.bounds:
-        out, selection = _split(
-            attention(
-                hidden_states[start:end],
-                attention_mask=None if attention_mask is None else attention_mask[:, start:end],
-                shared_topk=None if shared_topk is None else shared_topk[:, start:end],
-            )
-        )
-        outputs.append(out)
-        selections.append(selection)
-        if (t := getattr(attention, "indexer_loss_terms", None)) is not None:
-            terms.append(t)
-    if terms:
-        total = (torch.stack([t[0] for t in terms]).sum(), torch.stack([t[1] for t in terms]).sum())
-        attention.indexer_loss_terms, attention.indexer_loss = total, kl_loss(total)
-    joined = None if any(s is None for s in selections) else torch.cat(selections, dim=1)
-    return torch.cat(outputs, dim=0), joined
 
 
 def _module_class(spec: Any) -> type | None:

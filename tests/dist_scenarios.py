@@ -6,6 +6,8 @@ runs it on the concatenated global batch, so each rank can compare its own shard
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Any
 
 import torch
@@ -16,12 +18,12 @@ BATCH = 2  # sequences per rank per micro-batch
 SEQ = 24
 
 
-def _setup(ep: int, etp: int):  # type: ignore[no-untyped-def]
+def _setup(ep: int, etp: int, sp: int = 1):  # type: ignore[no-untyped-def]
     from glm53_ds.engine import init_distributed
     from glm53_ds.parallel import init_layout
 
     init_distributed()  # the harness sets RANK / WORLD_SIZE / MASTER_*: gloo over this world
-    return init_layout(ep, etp)
+    return init_layout(ep, etp, sp=sp)
 
 
 def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -41,7 +43,7 @@ def _models(ckpt: str, layout, dtype: torch.dtype, **overrides: Any):  # type: i
         expert_tensor_parallel_size=layout.etp,
         **overrides,
     )
-    model = Glm53Model(config, mtp=False, pg_collection=layout.pg_collection)
+    model = Glm53Model(config, mtp=ref.mtp is not None, pg_collection=layout.pg_collection)
     shard = layout.expert_shard(ref.glm).shard_state_dict(_full_state(ref))
     model.load_state_dict({k: v.to(model.state_dict()[k].dtype) for k, v in shard.items()}, strict=False)
     return ref, model
@@ -88,13 +90,15 @@ def _compare_to_reference(
 
 def _engine(model, layout, stage: int, dtype: torch.dtype, optimizer: str, lr: float, patch: bool,
             gas: int = 1, overlap_comm: bool = False, clip: float = 0.0,
-            bf16_optimizer: bool = False):  # type: ignore[no-untyped-def]  # fmt: skip
+            bf16_optimizer: bool = False, sp_reduction: bool = True):  # type: ignore[no-untyped-def]  # fmt: skip
     """An engine through `glm53_ds.build_engine`; `patch=False` is the control (the gradient-sync patch replaced by
-    a no-op for this build only)."""
+    a no-op for this build only); `sp_reduction=False` the SP control (DeepSpeed told no SP: it averages the
+    gradients of an SP group's shards instead of summing them)."""
     from unittest import mock
 
     import glm53_ds
     from glm53_ds.engine import build
+    from glm53_ds.engine.mpu import DeepSpeedMpu
 
     def make_optimizer(groups):  # type: ignore[no-untyped-def]
         if optimizer == "sgd":
@@ -118,10 +122,25 @@ def _engine(model, layout, stage: int, dtype: torch.dtype, optimizer: str, lr: f
     }
     if bf16_optimizer:
         config["data_types"] = {"grad_accum_dtype": "fp32"}
-    with mock.patch.object(
-        build, "install_gradient_sync", build.install_gradient_sync if patch else _no_patch
-    ):
-        return glm53_ds.build_engine(model, config, optimizer=make_optimizer, layout=layout)
+    no_sp = {"get_sequence_parallel_world_size": lambda self: 1,
+             "get_data_parallel_group": DeepSpeedMpu.get_sequence_data_parallel_group,
+             "get_data_parallel_world_size": DeepSpeedMpu.get_sequence_data_parallel_world_size,
+             "get_data_parallel_rank": DeepSpeedMpu.get_sequence_data_parallel_rank}  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(
+            build, "install_gradient_sync", build.install_gradient_sync if patch else _no_patch
+        ))  # fmt: skip
+        if not sp_reduction:
+            for name, fn in no_sp.items():
+                stack.enter_context(mock.patch.object(DeepSpeedMpu, name, fn))
+        engine = glm53_ds.build_engine(model, config, optimizer=make_optimizer, layout=layout)
+        if not sp_reduction:
+            from glm53_ds.engine import fp32_params
+
+            side = getattr(engine, "glm53_fp32_params", None)
+            if side is not None:  # the fp32-kept parameters averaged over SP too
+                side.reduce = functools.partial(fp32_params.Fp32Params.reduce, side, sequence_parallel=1)
+        return engine
 
 
 def _no_patch(*args: Any) -> bool:
@@ -177,13 +196,16 @@ def forward_and_gradients(ckpt: str, ep: int, etp: int) -> dict[str, Any]:
     return out
 
 
-def training_steps(ckpt: str, ep: int, etp: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Two optimizer steps per case on different global batches; replica identity and reference distance."""
+def training_steps(
+    ckpt: str, ep: int, etp: int, cases: list[dict[str, Any]], sp: int = 1
+) -> list[dict[str, Any]]:
+    """Two optimizer steps per case on different global batches; replica identity and reference distance. Under
+    SP every rank of an SP group gets the same rows (its data rank's) and computes its shard of them."""
     from glm53_ds.layers.moe import update_router_bias
     from glm53_ds.parallel.replicas import ReplicaMismatch, check_replicas
 
-    layout = _setup(ep, etp)
-    rank, world = layout.rank, layout.world_size
+    layout = _setup(ep, etp, sp)
+    rank, world = layout.data_rank, layout.data_world
     results = []
     for case in cases:
         dtype = torch.bfloat16 if case.get("dtype") == "bf16" else torch.float32
@@ -191,7 +213,7 @@ def training_steps(ckpt: str, ep: int, etp: int, cases: list[dict[str, Any]]) ->
         ref, model = _models(case.get("ckpt", ckpt), layout, dtype)
         engine = _engine(model, layout, case["stage"], dtype, case["optimizer"], lr, case["patch"], gas=gas,
                          overlap_comm=case.get("overlap_comm", False), bf16_optimizer=case.get("bf16_optimizer", False),
-                         clip=1e9)  # fmt: skip
+                         clip=1e9, sp_reduction=case.get("sp_reduction", True))  # fmt: skip
         norms, ref_norms = [], []
         groups = [{"params": list(ref.parameters())}]
         ref_opt = (
@@ -401,3 +423,160 @@ def bf16_keeps_fp32(ckpt: str, ep: int, etp: int, save_dir: str) -> dict[str, An
         out[f"stage{stage}_resumed_step_bitwise"] = all(torch.equal(a[n], b[n]) for n in a)
         out[f"stage{stage}_optimizer"] = type(engine.optimizer).__name__
     return out
+
+
+# ----------------------------------------------------------------------------- sequence parallelism
+SP_SEQ = 32  # divisible by SP = 2 and 4; > index_topk, so the DSA selection is sparse
+SP_DOCS = [
+    0,
+    5,
+    13,
+    14,
+    27,
+    32,
+]  # packed documents straddling the shard boundaries at SP 2 (16) and 4 (8, 16, 24)
+
+
+def _sum_over(t: torch.Tensor, group) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    import torch.distributed as dist
+
+    t = t.detach().clone()
+    dist.all_reduce(t, group=group)
+    return t
+
+
+def _gather_tokens(t: torch.Tensor, sequence) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    with torch.no_grad():
+        return sequence.gather_tokens(t.detach())
+
+
+def sp_parity(ckpt: str, sp: int, dtype: str = "float32") -> dict[str, Any]:
+    """At world = SP: each sequence mixer, and the whole model (LM + MTP losses, logits, every gradient), under SP
+    against the same weights in one process, with and without packed documents that straddle shard boundaries.
+    Gradients of a shard are summed over the SP group (what the engine's reduction does)."""
+    import glm53_ds
+    from glm53_ds.layers.documents import Documents
+    from glm53_ds.model import Glm53Model
+    from glm53_ds.parallel.sequence import SequenceParallel
+    from glm53_ds.transformer_config import make_transformer_config
+
+    layout = _setup(1, 1, sp)
+    sequence = SequenceParallel.of(layout.pg_collection)
+    assert sequence is not None and sequence.size == sp
+    ref = glm53_ds.load_hf(ckpt)
+    model = Glm53Model(make_transformer_config(ref.glm, torch.float32), mtp=ref.mtp is not None,
+                       pg_collection=layout.pg_collection)  # fmt: skip
+    model.load_state_dict(ref.state_dict())
+    if dtype == "float64":  # rounding vs a real difference: in float64 rounding shrinks by ~1e9
+        ref, model = ref.double(), model.double()
+        torch.set_default_dtype(torch.float64)
+    group = layout.sp_group
+    out: dict[str, Any] = {}
+
+    def grad_err(scale: float = 1.0) -> float:
+        worst, square, ref_square = 0.0, 0.0, 0.0
+        for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+            if r.grad is None:
+                assert p.grad is None or not p.grad.any(), name
+                continue
+            summed = _sum_over(p.grad, group) * scale
+            square += summed.double().square().sum().item()
+            ref_square += r.grad.double().square().sum().item()
+            err = rel_err(summed, r.grad)
+            if err > worst:
+                worst, out["worst_grad_name"] = err, name
+        out["grad_norm_rel_err"] = abs(square**0.5 - ref_square**0.5) / ref_square**0.5
+        return worst
+
+    g = torch.Generator().manual_seed(11)
+    vocab = ref.glm.vocab_size
+    cases = {
+        "batch2": dict(ids=torch.randint(1, vocab, (2, SP_SEQ), generator=g), cu=None),
+        "packed": dict(ids=torch.randint(1, vocab, (1, SP_SEQ), generator=g), cu=torch.tensor(SP_DOCS)),
+    }
+    for case, inputs in cases.items():
+        ids, cu = inputs["ids"], inputs["cu"]
+        labels = ids.clone()
+        labels[:, 3] = -100  # an ignored target
+        mask = torch.ones_like(ids, dtype=torch.bool)
+        docs = None if cu is None else Documents.from_cu_seqlens(cu, SP_SEQ, ids.shape[0])
+
+        # --- each sequence mixer alone: KDA (layer 0), MLA with its own indexer (1), a shared-selection layer (2)
+        hidden = torch.randn(SP_SEQ, ids.shape[0], ref.glm.hidden_size, generator=g)
+        grad_out = torch.randn(SP_SEQ, ids.shape[0], ref.glm.hidden_size, generator=g)
+        selection_ref = selection_sp = None
+        for i in (0, 1, 2):
+            mine, theirs = model.decoder.layers[i].self_attention, ref.decoder.layers[i].self_attention
+            x_ref = hidden.clone().requires_grad_(True)
+            x_sp = sequence.shard(hidden, dim=0).clone().requires_grad_(True)
+            model.zero_grad(), ref.zero_grad()
+            o_ref, sel_ref = theirs(x_ref, attention_mask=mask, documents=docs, shared_topk=selection_ref)
+            o_sp, sel_sp = mine(
+                x_sp, attention_mask=sequence.shard(mask), documents=docs, shared_topk=selection_sp
+            )
+            (o_ref * grad_out).sum().backward()
+            (o_sp * sequence.shard(grad_out, dim=0)).sum().backward()
+            key = f"{case}_layer{i}"
+            out[f"{key}_out"] = rel_err(_gather_tokens(o_sp.transpose(0, 1), sequence).transpose(0, 1), o_ref)
+            out[f"{key}_input_grad"] = rel_err(
+                _gather_tokens(x_sp.grad.transpose(0, 1), sequence).transpose(0, 1), x_ref.grad
+            )
+            out[f"{key}_param_grad"] = grad_err()
+            if sel_ref is not None:
+                out[f"{key}_selection_equal"] = bool(torch.equal(sel_sp, sel_ref))
+                if case == "batch2":  # control: the indexer on this rank's tokens alone
+                    with torch.no_grad():
+                        x = x_sp.detach().transpose(0, 1)
+                        q_resid = mine.q_a_layernorm(mine.q_a_proj(x))
+                        alone = mine.indexer(x, q_resid, sequence.shard(mask))
+                    out["control_local_selection_equal"] = bool(
+                        torch.equal(alone, sequence.shard(sel_ref)[..., : alone.shape[-1]])
+                    )
+                out[f"{key}_selection_sparse"] = bool((sel_ref < 0).any())
+                selection_ref, selection_sp = sel_ref, sel_sp
+
+        # --- the whole model: LM + MTP losses and every gradient; logits of this rank's tokens
+        model.zero_grad(), ref.zero_grad()
+        model.train(), ref.train()
+        p_ref = ref(ids, labels=labels, cu_seqlens=cu, return_parts=True)
+        p_sp = model(ids, labels=labels, cu_seqlens=cu, return_parts=True)
+        p_ref.total.backward()
+        p_sp.total.backward()
+        out[f"{case}_lm_loss"] = rel_err(_sum_over(p_sp.lm, group), p_ref.lm)
+        if p_ref.mtp is not None:
+            out[f"{case}_mtp_loss"] = rel_err(_sum_over(p_sp.mtp, group), p_ref.mtp)
+        out[f"{case}_grad"] = grad_err()
+        if case == "batch2":  # control: the mean over the SP group instead of the sum
+            out["control_mean_grad"] = grad_err(1 / sp)
+            # control: targets from each shard's own tokens only (its last positions lose theirs)
+            cut = labels.clone()
+            cut[:, SP_SEQ // sp :: SP_SEQ // sp] = -100
+            with torch.no_grad():
+                shard_only = _sum_over(model(ids, labels=cut, return_parts=True).lm, group)
+            out["control_local_targets_loss"] = rel_err(shard_only, p_ref.lm)
+        counts = _sum_over(model.count_targets(labels, cu_seqlens=cu), group)
+        out[f"{case}_counts_equal"] = bool(torch.equal(counts, ref.count_targets(labels, cu_seqlens=cu)))
+        model.eval(), ref.eval()
+        with torch.no_grad():
+            out[f"{case}_logits"] = rel_err(
+                model(ids, cu_seqlens=cu), sequence.shard(ref(ids, cu_seqlens=cu))
+            )
+            if ref.mtp is not None:
+                out[f"{case}_mtp_logits"] = max(
+                    rel_err(a, sequence.shard(b))
+                    for a, b in zip(
+                        model.mtp_logits(ids, cu_seqlens=cu), ref.mtp_logits(ids, cu_seqlens=cu), strict=True
+                    )  # fmt: skip
+                )
+    # bad input: a row length SP does not divide, before any work
+    try:
+        model(ids[:, : SP_SEQ - 1])
+        out["bad_length"] = "accepted"
+    except ValueError as e:
+        out["bad_length"] = str(e)
+    return out
+
+
+def sp_suite(ckpt: str, ep: int, etp: int, sp: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Training steps under SP x EP x ETP against the single-process global batch (one launch)."""
+    return {"steps": training_steps(ckpt, ep, etp, cases, sp=sp)}

@@ -19,8 +19,8 @@ from tests.model_fixtures import CONFIG_A
 @pytest.mark.parametrize(
     "world, ep, etp, experts, inner, message",
     [
-        (6, 4, 1, None, None, r"world size 6 is not divisible by EP x ETP = 4 x 1 = 4"),
-        (8, 2, 3, None, None, r"world size 8 is not divisible by EP x ETP = 2 x 3 = 6"),
+        (6, 4, 1, None, None, r"world size 6 is not divisible by SP x EP x ETP = 1 x 4 x 1 = 4"),
+        (8, 2, 3, None, None, r"world size 8 is not divisible by SP x EP x ETP = 1 x 2 x 3 = 6"),
         (8, 0, 1, None, None, r"ep must be a positive integer, got 0"),
         (8, 8, 1, 12, None, r"n_routed_experts \(12\) is not divisible by EP=8"),
         (8, 2, 4, 8, 6, r"moe_intermediate_size \(6\) is not divisible by ETP=4"),

@@ -256,7 +256,7 @@ def install_fp32_params(engine: Any, side: Fp32Params, layout: ParallelLayout) -
     def step(*args: Any, **kwargs: Any) -> Any:
         boundary = engine.is_gradient_accumulation_boundary()
         if boundary:
-            side.reduce()
+            side.reduce(layout.sp)
         try:
             result = original_step(*args, **kwargs)
             if boundary and engine.was_step_applied():

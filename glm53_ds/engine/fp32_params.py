@@ -7,8 +7,9 @@ flattens it into ZeRO's buffers (it keeps only buffers in fp32), so `Fp32Params`
   - each becomes a persistent buffer of its module, fp32, with `requires_grad` (same state-dict name, so
     checkpoints, exports and replica checks see it as before; DeepSpeed never casts, flattens or partitions it);
   - at each optimizer step (`deepspeed_internals.install_fp32_params` wraps `engine.step`): the gradients, which
-    accumulated over the micro-batches with DeepSpeed's 1/GAS loss scaling, are averaged over the world (their
-    replica group, the same rule as every replicated parameter) in one flat all-reduce; their squared norm joins
+    accumulated over the micro-batches with DeepSpeed's 1/GAS loss scaling, are reduced over the world (their
+    replica group, the same rule as every replicated parameter: summed over SP ranks, averaged over the rest) in
+    one flat all-reduce; their squared norm joins
     DeepSpeed's global norm exactly once; after DeepSpeed's step they are clipped by the same coefficient and
     updated by an fp32 optimizer of the same type and hyperparameters (built by the same factory, so the same
     weight-decay rule; the learning rate is set with the rest by `set_learning_rate`);
@@ -68,14 +69,15 @@ class Fp32Params:
         self.optimizer = make_optimizer(groups(self.named))
 
     # ------------------------------------------------------------------ one optimizer step
-    def reduce(self) -> torch.Tensor:
-        """Average the gradients over the world (one flat all-reduce); returns their squared norm (fp32, 0-d),
-        kept for DeepSpeed's global norm."""
+    def reduce(self, sequence_parallel: int = 1) -> torch.Tensor:
+        """Sum the gradients over the world, divided by world / `sequence_parallel` (SP shards of one sample add
+        up, samples average; one flat all-reduce); returns their squared norm (fp32, 0-d), kept for DeepSpeed's
+        global norm."""
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in self.tensors]
         flat = torch.cat([g.reshape(-1).float() for g in grads])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flat)
-            flat /= dist.get_world_size()
+            flat /= dist.get_world_size() // sequence_parallel
         offset = 0
         for t, g in zip(self.tensors, grads, strict=True):
             t.grad = flat[offset : offset + g.numel()].view_as(t).clone()

@@ -8,9 +8,9 @@ argument `TransformerBlock` hands every layer), so a stock `GPTModel` passes the
 Only the sequence mixers (KDA, MLA with its DSA indexer) see documents; everything else works per token. KDA takes
 the documents itself (`accepts_documents`): its short conv runs per document and its recurrence restarts at each
 boundary (fla's varlen kernel with `cu_seqlens` on CUDA, the torch path once per document otherwise). MLA with its
-indexer runs once per document on that document's slice (`transformer_layer._per_document`): attention and the
-indexer's k-pools start at the document's first token, and a `shared` DSA layer reuses the selection of the same
-document. Both are exact by construction.
+indexer also takes them (`accepts_documents`) and runs its indexer and attention once per document: attention and
+the indexer's k-pools start at the document's first token, and a `shared` DSA layer reuses the selection of the
+same document. Both are exact by construction, also when sequence parallelism splits a document over ranks.
 """
 
 from __future__ import annotations

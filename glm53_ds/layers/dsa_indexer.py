@@ -36,7 +36,7 @@ class IndexerScores:
     index_scores: torch.Tensor  # [b, s, P] fp32: every query's score of every pool
     candidates: torch.Tensor  # [b, s, P] bool: complete pools whose last token the query sees
     pool_tokens: torch.Tensor  # [b, P, kpool] token indices, -1 outside the sequence
-    visible: torch.Tensor  # [b, s, s] bool: causal and real
+    visible: torch.Tensor  # [b, s, S] bool: causal and real (queries x keys)
     first_real: torch.Tensor  # [b]
 
 
@@ -71,19 +71,36 @@ class DsaIndexer(nn.Module):
         """x [b, s, D], q_resid [b, s, q_lora_rank], mask [b, s] bool -> token indices [b, s, W] int32."""
         return self.select(self.score(x, q_resid, mask), mask)[0]
 
-    def score(self, x: torch.Tensor, q_resid: torch.Tensor, mask: torch.Tensor) -> IndexerScores:
+    def keys(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token inputs of the k-pools: keys `LayerNorm(wk x)` and pool-gate scores, each [b, s, d]
+        (sequence parallelism gathers these over the SP group: 2 x index_head_dim values per token)."""
+        return self.k_norm(self.wk(x)), F.linear(x, self.index_kpool_compress_gate)
+
+    def score(
+        self,
+        x: torch.Tensor,
+        q_resid: torch.Tensor,
+        mask: torch.Tensor,
+        keys: tuple[torch.Tensor, torch.Tensor] | None = None,
+        query_offset: int = 0,
+    ) -> IndexerScores:
         """Steps 1-2: the pools and every query's score of every candidate pool (differentiable in the indexer's
-        parameters; the LM path calls it without gradient, the indexer loss on detached inputs)."""
-        b, s, _ = x.shape
+        parameters; the LM path calls it without gradient, the indexer loss on detached inputs).
+
+        x [b, s, D], q_resid [b, s, q_lora_rank]: the queries. `keys` (from `keys()`, [b, S, d] each) and `mask`
+        [b, S] describe the key sequence, whose token `query_offset + i` is query i; without `keys` the queries are
+        the whole key sequence (S = s, offset 0)."""
+        s = x.shape[1]
         device = x.device
         q = self.wq_b(q_resid).unflatten(-1, (self.n_heads, self.head_dim))  # [b, s, Hi, d]
-        k = self.k_norm(self.wk(x))  # [b, s, d]
-        gate_scores = F.linear(x, self.index_kpool_compress_gate)  # [b, s, d]
+        k, gate_scores = self.keys(x) if keys is None else keys  # [b, S, d]
+        b, kv = mask.shape
 
         # visible[b, i, j]: key j is causal for query i and a real token
-        positions = torch.arange(s, device=device)
-        visible = (positions[None, None, :] <= positions[None, :, None]) & mask[:, None, :]
-        first_real = torch.where(mask.any(-1), mask.long().argmax(-1), torch.full((b,), s, device=device))
+        query_positions = torch.arange(s, device=device) + query_offset
+        key_positions = torch.arange(kv, device=device)
+        visible = (key_positions[None, None, :] <= query_positions[None, :, None]) & mask[:, None, :]
+        first_real = torch.where(mask.any(-1), mask.long().argmax(-1), torch.full((b,), kv, device=device))
 
         pool_keys, pool_tokens, pool_complete = self._pools(k, gate_scores, mask, first_real)
 
@@ -93,14 +110,15 @@ class DsaIndexer(nn.Module):
         head_weights = self.weights_proj(x).float() * self.n_heads**-0.5
         index_scores = torch.matmul(head_weights.unsqueeze(-2), scores).squeeze(-2)
 
-        pool_last = pool_tokens[..., -1].clamp(0, s - 1)
+        pool_last = pool_tokens[..., -1].clamp(0, kv - 1)
         last_visible = visible.gather(-1, pool_last[:, None, :].expand(b, s, -1))
         candidates = last_visible & pool_complete[:, None]  # [b, s, P]
         return IndexerScores(index_scores, candidates, pool_tokens, visible, first_real)
 
     @torch.no_grad()
     def select(self, scored: IndexerScores, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Steps 3-4: token indices [b, s, W] int32 and the selected pools [b, s, P] bool."""
+        """Steps 3-4: token indices [b, s, W] int32 (into the key sequence) and the selected pools [b, s, P]
+        bool; `mask` [b, s]: the queries' padding mask."""
         b, s = mask.shape
         index_scores = scored.index_scores.detach()
         candidates, pool_tokens = scored.candidates, scored.pool_tokens

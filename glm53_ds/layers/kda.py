@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel.sequence import SequenceParallel
 from ..transformer_config import Glm53TransformerConfig
 from .documents import Documents
 from .kda_ops import kda_attention
@@ -89,20 +90,22 @@ class KimiDeltaAttention(nn.Module):
         self.g_b_proj = ColumnLinear(config, self.head_dim, key_dim)
         self.o_norm = GatedRMSNorm(self.head_dim, eps=cfg.rms_norm_eps, dtype=config.params_dtype)
         self.o_proj = RowLinear(config, key_dim, hidden)
+        self.sequence = SequenceParallel.of(pg_collection)  # None without sequence parallelism
 
-    def _short_conv(self, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
-        """Causal depthwise conv + SiLU over time; x [b, s, C] -> [b, s, C] in x's dtype (computed in fp32)."""
+    def _short_conv(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Causal depthwise conv + SiLU over time; x [b, s, C], weight [C, 1, kernel] -> [b, s, C] in x's dtype
+        (computed in the weight's dtype, fp32)."""
         s = x.shape[1]
         y = F.conv1d(
-            x.transpose(1, 2).to(conv.weight.dtype),
-            conv.weight,
+            x.transpose(1, 2).to(weight.dtype),
+            weight,
             padding=self.kernel_size - 1,
             groups=x.shape[-1],
         )
         return F.silu(y[..., :s]).to(x.dtype).transpose(1, 2)
 
     # packed documents: this module restarts its conv window and recurrent state at each boundary itself (fla's
-    # varlen kernel), instead of running once per document (transformer_layer._per_document)
+    # varlen kernel), instead of running once per document
     accepts_documents = True
 
     def forward(
@@ -113,25 +116,43 @@ class KimiDeltaAttention(nn.Module):
         **unused: Any,
     ) -> tuple[torch.Tensor, None]:
         """hidden_states [s, b, D], attention_mask [b, s] bool (True = real token), documents: packed documents
-        of a batch-1 row (layers/documents.py) -> ([s, b, D], None)."""
+        of a batch-1 row (layers/documents.py) -> ([s, b, D], None).
+
+        Under sequence parallelism (parallel/sequence.py) s is this rank's S/N tokens and `documents` are the whole
+        row's: the projections and gates run on the local tokens, one all-to-all per tensor hands every rank all S
+        tokens of H/N heads for the short conv (its channels of the conv weights) and the delta rule, and one
+        all-to-all brings the output back to the local tokens before the gated norm."""
         x = hidden_states.transpose(0, 1)  # [b, s, D]
         if attention_mask is not None:
             x = (x * attention_mask[:, :, None]).to(x.dtype)  # padding contributes nothing to the state
         b, s, _ = x.shape
         heads = (b, s, self.num_heads, self.head_dim)
+        sp = self.sequence
+        if sp is None:
+            to_heads, channels = (lambda t: t), slice(None)
+        else:
+            to_heads = sp.seq_to_heads
+            width = self.num_heads // sp.size * self.head_dim
+            channels = slice(sp.rank * width, (sp.rank + 1) * width)
 
         def conv(module: nn.Conv1d, y: torch.Tensor) -> torch.Tensor:
+            """[b, S, h, d] -> the same, convolved per channel (per document)."""
+            weight, flat = module.weight[channels], y.flatten(-2)
             if documents is None:
-                return self._short_conv(module, y)
-            return torch.cat([self._short_conv(module, y[:, a:e]) for a, e in documents.bounds], dim=1)
+                out = self._short_conv(weight, flat)
+            else:
+                out = torch.cat([self._short_conv(weight, flat[:, a:e]) for a, e in documents.bounds], dim=1)
+            return out.view_as(y)
 
-        q = conv(self.q_conv1d, self.q_proj(x)).reshape(heads)
-        k = conv(self.k_conv1d, self.k_proj(x)).reshape(heads)
-        v = conv(self.v_conv1d, self.v_proj(x)).reshape(heads)
-        g = self.forget_gate(x)  # [b, s, H, dk] fp32
-        beta = torch.sigmoid(self.b_proj(x))  # [b, s, H]
+        q = conv(self.q_conv1d, to_heads(self.q_proj(x).reshape(heads)))  # [b, S, H/N, dk]
+        k = conv(self.k_conv1d, to_heads(self.k_proj(x).reshape(heads)))
+        v = conv(self.v_conv1d, to_heads(self.v_proj(x).reshape(heads)))
+        g = to_heads(self.forget_gate(x))  # [b, S, H/N, dk] fp32
+        beta = to_heads(torch.sigmoid(self.b_proj(x))[..., None])[..., 0]  # [b, S, H/N]
 
-        core = kda_attention(q, k, v, g, beta, backend=self.kda_impl, documents=documents)  # [b, s, H, dv]
+        core = kda_attention(q, k, v, g, beta, backend=self.kda_impl, documents=documents)  # [b, S, H/N, dv]
+        if sp is not None:
+            core = sp.heads_to_seq(core)  # [b, s, H, dv]
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(heads)
         out = self.o_proj(self.o_norm(core, gate).reshape(b, s, -1))
         return out.transpose(0, 1), None

@@ -20,10 +20,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .. import backends
+from ..parallel.sequence import SequenceParallel
 from ..transformer_config import Glm53TransformerConfig
-from .dsa_indexer import DsaIndexer, indexer_kl_terms
+from .documents import Documents
+from .dsa_indexer import DsaIndexer, IndexerScores, indexer_kl_terms
 from .linear import ColumnLinear, RowLinear
 from .norm import RMSNorm
 
@@ -92,6 +95,41 @@ def masked_attention(
     return out.index_put((batch_index, query_index), torch.cat(rows))
 
 
+# Query rows per block of `sparse_attention`: the block's [b, 1, rows, L] mask (and SDPA's float copy of it) stays
+# under this many bytes.
+ATTENTION_BLOCK_BYTES = 64 * 2**20
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    topk: torch.Tensor,
+    scaling: float,
+    dropout: float = 0.0,
+    backend: str = "sdpa",
+    block_bytes: int = ATTENTION_BLOCK_BYTES,
+) -> torch.Tensor:
+    """`masked_attention` with the mask built from each query's selected tokens `topk` [b, L, W], over blocks of
+    query rows: q, k [b, h, L, dq], v [b, h, L, dv] -> [b, L, h, dv]. Never holds the [L, L] mask: with gradients,
+    each block is recomputed in backward from its top-k (torch checkpoint), so only q, k, v, topk are kept. One
+    block (the plain call) when the whole mask fits in `block_bytes`."""
+    b, _, length, _ = q.shape
+    rows = max(1, block_bytes // max(1, 4 * b * length))
+
+    def block(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, tb: torch.Tensor) -> torch.Tensor:
+        return masked_attention(qb, kb, vb, topk_to_mask(tb, length), scaling, dropout, backend=backend)
+
+    if rows >= length:
+        return block(q, k, v, topk)
+    recompute = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    parts = []
+    for i in range(0, length, rows):
+        args = (q[:, :, i : i + rows], k, v, topk[:, i : i + rows])
+        parts.append(checkpoint(block, *args, use_reentrant=False) if recompute else block(*args))
+    return torch.cat(parts, dim=1)
+
+
 class SparseMLA(nn.Module):
     def __init__(
         self,
@@ -133,17 +171,36 @@ class SparseMLA(nn.Module):
         self.indexer_loss_terms: tuple[torch.Tensor, torch.Tensor] | None = None  # (sum, queries) behind it
         # HF hands a full layer's selection only to the very next layer, when that one is "shared".
         self.passes_selection = not self.reuses_selection and i + 1 < len(types) and types[i + 1] == "shared"
+        self.sequence = SequenceParallel.of(pg_collection)  # None without sequence parallelism
+        if self.sequence is not None and self.indexer is not None and self.indexer_loss_coef > 0:
+            raise ValueError(
+                f"indexer_loss_coef = {self.indexer_loss_coef} with sequence parallelism (SP = "
+                f"{self.sequence.size}): the DSA indexer loss is not supported under SP; set it to 0"
+            )
+
+    # packed documents: this module runs its indexer and attention once per document itself (each document's
+    # pools start at its first token, and its queries see only its keys)
+    accepts_documents = True
 
     def forward(
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         shared_topk: torch.Tensor | None = None,
+        documents: Documents | None = None,
         **unused: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """hidden_states [s, b, D], attention_mask [b, s] bool, shared_topk [b, s, W] from the previous layer.
+        """hidden_states [s, b, D], attention_mask [b, s] bool, shared_topk [b, S, W] from the previous layer,
+        documents: packed documents of a batch-1 row.
 
-        Returns ([s, b, D], the selection to hand to the next layer or None)."""
+        Returns ([s, b, D], the selection [b, S, W] to hand to the next layer, or None). Selections hold
+        document-local token indices (a document's first token is 0).
+
+        Under sequence parallelism (parallel/sequence.py) s is this rank's S/N tokens and `documents` are the whole
+        row's: projections run on the local tokens; the indexer scores the local queries against the pools of
+        all S tokens (its per-token keys are gathered, so the pools form in global token order and the top-k
+        equals SP = 1's) and the selections are gathered; one all-to-all per q, k, v hands every rank all S tokens
+        of H/N heads for the attention, and one all-to-all brings its output back to the local tokens."""
         x = hidden_states.transpose(0, 1)  # [b, s, D]
         b, s, _ = x.shape
         mask = (
@@ -151,18 +208,17 @@ class SparseMLA(nn.Module):
             if attention_mask is not None
             else torch.ones(b, s, dtype=torch.bool, device=x.device)
         )
+        sp = self.sequence
+        start = 0 if sp is None else sp.rank * s  # this rank's first token in the row
+        length = s if sp is None else s * sp.size
+        key_mask = mask if sp is None else sp.gather_tokens(mask)  # [b, S]
+        bounds = ((0, length),) if documents is None else documents.bounds
 
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = (
-            self.q_b_proj(q_resid).view(b, s, self.num_heads, self.qk_head_dim).transpose(1, 2)
-        )  # [b, H, s, dq]
+        q = self.q_b_proj(q_resid).view(b, s, self.num_heads, self.qk_head_dim)  # [b, s, H, dq]
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))  # [b, s, r]
-        kv = (
-            self.kv_b_proj(latent)
-            .view(b, s, self.num_heads, self.qk_head_dim + self.v_head_dim)
-            .transpose(1, 2)
-        )
-        k, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)  # [b, H, s, dq], [b, H, s, dv]
+        kv = self.kv_b_proj(latent).view(b, s, self.num_heads, self.qk_head_dim + self.v_head_dim)
+        k, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)  # [b, s, H, dq], [b, s, H, dv]
 
         train_indexer = (
             self.indexer is not None
@@ -170,11 +226,30 @@ class SparseMLA(nn.Module):
             and self.training
             and torch.is_grad_enabled()
         )
+        per_document_scores: list[tuple[IndexerScores, torch.Tensor]] = []
         if self.indexer is not None:
             # detached inputs: the indexer loss trains only the indexer, and the LM loss never does
             with torch.set_grad_enabled(train_indexer):
-                scored = self.indexer.score(x.detach(), q_resid.detach(), mask)
-            topk, selected = self.indexer.select(scored, mask)
+                keys = self.indexer.keys(x.detach())
+                if sp is not None:
+                    keys = (sp.gather_tokens(keys[0]), sp.gather_tokens(keys[1]))  # [b, S, d] each
+            parts = []
+            for a, e in bounds:  # the documents holding this rank's queries
+                first, last = max(a, start), min(e, start + s)
+                if first >= last:
+                    continue
+                rows = slice(first - start, last - start)
+                with torch.set_grad_enabled(train_indexer):
+                    scored = self.indexer.score(
+                        x[:, rows].detach(), q_resid[:, rows].detach(), key_mask[:, a:e],
+                        keys=(keys[0][:, a:e], keys[1][:, a:e]), query_offset=first - a,
+                    )  # fmt: skip
+                selection, selected = self.indexer.select(scored, mask[:, rows])
+                parts.append(selection)
+                per_document_scores.append((scored, selected))
+            topk = torch.cat(parts, dim=1)  # [b, s, W]
+            if sp is not None:
+                topk = sp.gather_tokens(topk)  # [b, S, W]
         elif shared_topk is None:
             raise ValueError(
                 f"layer {self.layer_index}: a 'shared' DSA layer needs the top-k selection of the previous full layer"
@@ -182,15 +257,31 @@ class SparseMLA(nn.Module):
         else:
             topk = shared_topk
 
+        if sp is not None:
+            q, k, v = sp.seq_to_heads(q), sp.seq_to_heads(k), sp.seq_to_heads(v)  # [b, S, H/N, d]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, h, S, d]
         dropout = self.attention_dropout if self.training else 0.0
-        allowed = topk_to_mask(topk, s)
-        out = masked_attention(
-            q, k, v, allowed, self.scaling, dropout, backend=self.attention_impl
-        )  # [b, s, H, dv]
+        outputs, terms = [], []
+        for d, (a, e) in enumerate(bounds):
+            qd, kd, vd = q[:, :, a:e], k[:, :, a:e], v[:, :, a:e]
+            outputs.append(
+                sparse_attention(qd, kd, vd, topk[:, a:e], self.scaling, dropout, self.attention_impl)
+            )  # [b, L, h, dv]
+            if train_indexer:
+                scored, selected = per_document_scores[d]
+                terms.append(
+                    indexer_kl_terms(
+                        qd, kd, topk_to_mask(topk[:, a:e], e - a), self.scaling, scored, selected
+                    )
+                )
+        out = torch.cat(outputs, dim=1)  # [b, S, h, dv]
         self.indexer_loss_terms = (
-            indexer_kl_terms(q, k, allowed, self.scaling, scored, selected) if train_indexer else None
+            (torch.stack([t[0] for t in terms]).sum(), torch.stack([t[1] for t in terms]).sum())
+            if terms
+            else None
         )
         self.indexer_loss = kl_loss(self.indexer_loss_terms)
-        out = out.reshape(b, s, self.num_heads * self.v_head_dim)
-        out = self.o_proj(out)
+        if sp is not None:
+            out = sp.heads_to_seq(out)  # [b, s, H, dv]
+        out = self.o_proj(out.reshape(b, s, self.num_heads * self.v_head_dim))
         return out.transpose(0, 1), (topk if self.passes_selection else None)

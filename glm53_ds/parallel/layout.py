@@ -1,19 +1,30 @@
-"""The parallel layout of a run: process groups for EP x ETP (x DP), built once, passed to whoever needs them.
+"""The parallel layout of a run: process groups for ETP x EP x SP (x DP), built once, passed to whoever needs them.
 
-`init_layout(ep, etp)` (after `torch.distributed` is initialised) builds megatron `parallel_state` with
-TP = PP = 1 (attention replicated), EP = `ep`, ETP = `etp`, and returns a `ParallelLayout` holding
-  - megatron's groups (EP, ETP, expert-data-parallel) and a `pg_collection` that model modules receive;
-  - `dp_group`: the ranks sharing this rank's ETP rank (WORLD / ETP ranks). An engine that treats ETP as its
-    model-parallel group (DeepSpeed, `glm53_ds/engine/`) shards and reduces over this group.
+Rank order (fastest first) TP-ETP-EP-SP-DP, TP = PP = 1 (attention replicated):
+    rank = etp_rank + ETP * (ep_rank + EP * (sp_rank + SP * dp_rank))
+`init_layout(ep, etp, sp=1)` (after `torch.distributed` is initialised) builds megatron `parallel_state` with
+EP = `ep`, ETP = `etp` (megatron's expert order ETP-EP-expert-DP is the one above: SP and DP together are megatron's
+expert-data-parallel dimension), and returns a `ParallelLayout` holding
+  - megatron's groups (EP, ETP, expert-data-parallel) and a `pg_collection` that model modules receive, with the
+    sequence-parallel group added as `pg_collection.sp` (`sequence_group(pg_collection)`);
+  - `sp_group`: the SP ranks that share one sample, each holding a contiguous 1/SP of its tokens
+    (parallel/sequence.py);
+  - `dp_group`: the ranks sharing this rank's ETP rank (WORLD / ETP ranks, SP ranks included). An engine that
+    treats ETP as its model-parallel group (DeepSpeed, `glm53_ds/engine/`) shards and reduces over this group
+    (DeepSpeed's sequence-data-parallel group);
+  - `pure_dp_group`: `dp_group` without the SP ranks (DeepSpeed's data-parallel group when SP > 1);
+  - `data_rank` / `data_world`: which samples this rank reads (every rank of an SP group reads the same ones;
+    EP and ETP ranks read different ones). At SP = 1, data_rank = rank.
 The replica group of a non-expert parameter is the whole world; an engine reducing over `dp_group` misses the
 ETP peers, which the engine's gradient-sync patch closes. Nothing here imports DeepSpeed.
 
 World 8, EP2 x ETP2: ETP [0,1],[2,3],...; EP [0,2],[1,3],[4,6],[5,7]; expert-DP [0,4],[1,5],...;
-dp_group [0,2,4,6],[1,3,5,7].
+dp_group [0,2,4,6],[1,3,5,7]. World 8, SP2 x EP2 x ETP2: the same, with SP [0,4],[1,5],[2,6],[3,7].
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -38,7 +49,22 @@ class ParallelLayout:
     expert_dp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup  # ranks with this rank's ETP rank (the engine's data-parallel group)
     dp_ranks: list[int]
-    pg_collection: ProcessGroupCollection  # what model modules receive (megatron's convention)
+    pg_collection: ProcessGroupCollection  # what model modules receive (megatron's convention; `.sp` added)
+    sp: int = 1
+    sp_rank: int = 0
+    sp_group: dist.ProcessGroup | None = None  # None at SP = 1
+    pure_dp_group: dist.ProcessGroup | None = None  # dp_group without SP ranks (dp_group itself at SP = 1)
+    pure_dp_ranks: list[int] | None = None
+
+    @property
+    def data_world(self) -> int:
+        """How many different sample streams the world reads: WORLD / SP."""
+        return self.world_size // self.sp
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's sample stream (shared by its SP group): the rank with the SP coordinate removed."""
+        return data_rank(self.rank, self.ep * self.etp, self.sp)
 
     @property
     def expert_group_name(self) -> str:
@@ -51,30 +77,74 @@ class ParallelLayout:
     def describe(self) -> str:
         return (
             f"rank {self.rank}/{self.world_size}: EP={self.ep} (rank {self.ep_rank}), ETP={self.etp} "
-            f"(rank {self.etp_rank}), expert-DP={dist.get_world_size(self.expert_dp_group)}, "
-            f"DP={len(self.dp_ranks)}"
+            f"(rank {self.etp_rank}), SP={self.sp} (rank {self.sp_rank}), "
+            f"expert-DP={dist.get_world_size(self.expert_dp_group)}, DP={len(self.dp_ranks)}"
         )
 
 
-def validate_layout(world_size: int, ep: int, etp: int, cfg: Glm53Config | None = None) -> None:
+def data_rank(rank: int, ep_times_etp: int, sp: int) -> int:
+    """`rank` with its SP coordinate removed (the layout's rank order): its sample stream."""
+    inner, outer = rank % ep_times_etp, rank // ep_times_etp
+    return inner + ep_times_etp * (outer // sp)
+
+
+def validate_layout(
+    world_size: int,
+    ep: int,
+    etp: int,
+    cfg: Glm53Config | None = None,
+    sp: int = 1,
+    seq_length: int | None = None,
+) -> None:
     """Refuse an impossible layout before any work, naming the numbers."""
-    for name, value in (("ep", ep), ("etp", etp)):
+    for name, value in (("ep", ep), ("etp", etp), ("sp", sp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if world_size % (ep * etp):
-        raise ValueError(f"world size {world_size} is not divisible by EP x ETP = {ep} x {etp} = {ep * etp}")
+    if world_size % (sp * ep * etp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by SP x EP x ETP = {sp} x {ep} x {etp} = {sp * ep * etp}"
+        )
+    if seq_length is not None and seq_length % sp:
+        raise ValueError(f"seq_length {seq_length} is not divisible by SP = {sp} (each SP rank holds an equal "
+                         "contiguous part of every sequence)")  # fmt: skip
     if cfg is not None:
         ExpertShard.for_config(cfg, ep=ep, etp=etp)  # divisibility of experts and intermediate size
+        if sp > 1:
+            check_sequence_parallel_config(cfg, sp)
 
 
-def init_layout(ep: int = 1, etp: int = 1, cfg: Glm53Config | None = None) -> ParallelLayout:
-    """Process groups for EP x ETP over the current world (collective: every rank calls it)."""
+def check_sequence_parallel_config(cfg: Glm53Config, sp: int) -> None:
+    """SP shards attention heads after the all-to-all: both head counts must divide."""
+    for name in ("linear_num_heads", "num_attention_heads"):
+        heads = getattr(cfg, name)
+        if heads % sp:
+            raise ValueError(f"SP = {sp} does not divide {name} = {heads} (sequence parallelism shards the "
+                             "attention heads after its all-to-all)")  # fmt: skip
+
+
+def _new_groups(world: int, key: Callable[[int], tuple[int, ...]]) -> tuple[dist.ProcessGroup, list[int]]:
+    """One group per value of key(rank), created on every rank in the same order (new_group is collective);
+    returns this rank's group and its ranks."""
+    buckets: dict[tuple[int, ...], list[int]] = {}
+    for r in range(world):
+        buckets.setdefault(key(r), []).append(r)
+    mine: tuple[dist.ProcessGroup, list[int]] | None = None
+    for _, ranks in sorted(buckets.items()):
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = (group, ranks)
+    assert mine is not None
+    return mine
+
+
+def init_layout(ep: int = 1, etp: int = 1, cfg: Glm53Config | None = None, sp: int = 1) -> ParallelLayout:
+    """Process groups for ETP x EP x SP over the current world (collective: every rank calls it)."""
     if not dist.is_initialized():
         raise RuntimeError(
             "init_layout(): initialise torch.distributed first (glm53_ds.engine.init_distributed)"
         )
     world = dist.get_world_size()
-    validate_layout(world, ep, etp, cfg)
+    validate_layout(world, ep, etp, cfg, sp=sp)
     compat.apply()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -97,6 +167,14 @@ def init_layout(ep: int = 1, etp: int = 1, cfg: Glm53Config | None = None) -> Pa
         if dist.get_rank() in ranks:
             dp_group, dp_ranks = group, ranks
     assert dp_group is not None
+    inner = ep * etp
+    sp_group, sp_ranks, pure_dp_group, pure_dp_ranks = None, [dist.get_rank()], dp_group, dp_ranks
+    if sp > 1:
+        # SP: same ETP, EP and DP coordinates; pure DP: same ETP and SP coordinates
+        sp_group, sp_ranks = _new_groups(world, lambda r: (r % inner, r // (inner * sp)))
+        pure_dp_group, pure_dp_ranks = _new_groups(world, lambda r: (r % etp, (r // inner) % sp))
+    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    pg_collection.sp = sp_group
     return ParallelLayout(
         world_size=world,
         rank=dist.get_rank(),
@@ -109,5 +187,10 @@ def init_layout(ep: int = 1, etp: int = 1, cfg: Glm53Config | None = None) -> Pa
         expert_dp_group=parallel_state.get_expert_data_parallel_group(),
         dp_group=dp_group,
         dp_ranks=dp_ranks,
-        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+        pg_collection=pg_collection,
+        sp=sp,
+        sp_rank=sp_ranks.index(dist.get_rank()),
+        sp_group=sp_group,
+        pure_dp_group=pure_dp_group,
+        pure_dp_ranks=pure_dp_ranks,
     )

@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     par = p.add_argument_group("parallelism")
     par.add_argument("--ep", type=int, help="expert parallel size")
     par.add_argument("--etp", type=int, help="expert tensor parallel size")
+    par.add_argument("--sp", type=int, help="sequence parallel size: each sequence is split contiguously over "
+                     "this many ranks, attention heads over the same ranks (Ulysses); must divide --seq-length "
+                     "and both attention head counts (docs/parallelism.md)")  # fmt: skip
 
     d = p.add_argument_group("data")
     d.add_argument("--data", help="indexed dataset prefix (.bin/.idx), .jsonl or .txt; a .jsonl of chat "

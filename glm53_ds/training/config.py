@@ -44,6 +44,7 @@ class TrainConfig:
     # parallelism
     ep: int = 1
     etp: int = 1
+    sp: int = 1  # sequence parallel: each sequence split contiguously over this many ranks
     # data
     data: str = DEFAULT_DATA
     tokenizer: str = "bytes"
@@ -126,7 +127,7 @@ class TrainConfig:
             if value < 1:
                 raise SetupError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
-        for name in ("seq_length", "micro_batch_size", "ep", "etp"):
+        for name in ("seq_length", "micro_batch_size", "ep", "etp", "sp"):
             positive(name, getattr(self, name))
         if self.global_batch_size is not None:
             positive("global_batch_size", self.global_batch_size)

@@ -29,7 +29,7 @@ from ..engine.checkpoint import verify_checkpoint
 from ..hf_loader import SafetensorsCheckpoint, checkpoint_has_mtp, load_hf_state_into
 from ..layers.moe import update_router_bias
 from ..model import Glm53Model, LossParts
-from ..parallel.layout import ParallelLayout, init_layout, validate_layout
+from ..parallel.layout import ParallelLayout, data_rank, init_layout, validate_layout
 from ..parallel.replicas import check_replicas
 from ..transformer_config import make_transformer_config
 from .args import build_parser
@@ -61,19 +61,23 @@ def model_config(config: TrainConfig) -> Glm53Config:
 
 
 def gradient_accumulation(config: TrainConfig, world: int) -> int:
-    per_step = config.micro_batch_size * world
+    """Micro-batches per step: global batch = micro batch x (world / SP) x GAS (an SP group reads one set)."""
+    data_world = world // config.sp
+    per_step = config.micro_batch_size * data_world
     global_batch = config.global_batch_size or per_step
     if global_batch % per_step:
+        readers = f"world size {world}" if config.sp == 1 else f"(world size {world} / --sp {config.sp})"
         raise SetupError(
             f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size {config.micro_batch_size} "
-            f"x world size {world} = {per_step}"
+            f"x {readers} = {per_step}"
         )
     return global_batch // per_step
 
 
 def deepspeed_config(config: TrainConfig, world: int, gas: int) -> dict[str, Any]:
     """DeepSpeed's config: the --deepspeed_config file (checked against the command line) or a default."""
-    ds_dp = world // config.etp  # DeepSpeed's data-parallel size (ETP is its model-parallel group)
+    # DeepSpeed's data-parallel size: ETP is its model-parallel group, SP its sequence-parallel group
+    ds_dp = world // (config.etp * config.sp)
     wanted = {
         "train_micro_batch_size_per_gpu": config.micro_batch_size,
         "gradient_accumulation_steps": gas,
@@ -142,6 +146,7 @@ class Trainer:
         self.cfg: Glm53Config = model_config(config)
         self.engine: Any = None
         self.layout: ParallelLayout | None = None
+        self.data_world, self.data_rank, self.sp_rank = 1, 0, 0  # set in setup()
         self.stream: SampleStream | PackedRowStream | None = None
         self.start_step = 0
         self.consumed = 0  # samples of the run read so far (the data position checkpoints store)
@@ -162,9 +167,18 @@ class Trainer:
         init_distributed()
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         try:
-            validate_layout(self.world, c.ep, c.etp, cfg)
+            validate_layout(self.world, c.ep, c.etp, cfg, sp=c.sp, seq_length=c.seq_length)
+            if c.sp > 1 and (c.aux_loss_coef > 0 or c.indexer_loss_coef > 0):
+                raise ValueError(
+                    f"--aux-loss-coef {c.aux_loss_coef} --indexer-loss-coef {c.indexer_loss_coef}: the per-sequence "
+                    "MoE auxiliary loss and the DSA indexer loss are not supported under sequence parallelism; "
+                    "set both to 0"
+                )
         except ValueError as e:
-            raise SetupError(f"--ep {c.ep} --etp {c.etp}: {e}") from e
+            raise SetupError(f"--ep {c.ep} --etp {c.etp} --sp {c.sp}: {e}") from e
+        # the sample stream this rank reads: every rank of an SP group reads the same rows
+        self.data_world, self.data_rank = self.world // c.sp, data_rank(self.rank, c.ep * c.etp, c.sp)
+        self.sp_rank = (self.rank // (c.ep * c.etp)) % c.sp
         self.gas = gradient_accumulation(c, self.world)
         self.ds_config = deepspeed_config(c, self.world, self.gas)
         # Rank 0 tokenizes (and packs) once; the others wait, then every rank reads the same cache.
@@ -182,7 +196,7 @@ class Trainer:
             self.stream = _or_setup_error(stream)
         load_tag = _or_setup_error(lambda: verify_checkpoint(c.load, c.load_tag)) if c.load else None
 
-        self.layout = init_layout(c.ep, c.etp, cfg)
+        self.layout = init_layout(c.ep, c.etp, cfg, sp=c.sp)
         self.engine = build_engine(self._build_model(), self.ds_config, optimizer=self._adamw, layout=self.layout,
                                    no_decay_pattern=c.no_decay_pattern)  # fmt: skip
         if self.rank == 0:
@@ -260,9 +274,9 @@ class Trainer:
         set_learning_rate(engine, lr)
         parts: list[LossParts] = []
         batches = [
-            self.stream.micro_batch(self.consumed, micro, self.rank, self.world, c.micro_batch_size).to(
-                engine.device
-            )
+            self.stream.micro_batch(
+                self.consumed, micro, self.data_rank, self.data_world, c.micro_batch_size
+            ).to(engine.device)
             for micro in range(self.gas)
         ]
         normalizers = self._token_normalizers(batches)
@@ -277,13 +291,13 @@ class Trainer:
             if micro == self.gas - 1:
                 self._stop_if_not_finite(step, parts)  # before the one update of the step
             engine.step()
-        self.consumed += c.micro_batch_size * self.gas * self.world
+        self.consumed += c.micro_batch_size * self.gas * self.data_world
         balance = update_router_bias(engine.module, rate=c.router_bias_update_rate)
         total, lm, mtp, indexer = self._logged
         targets, real = self._counted
         step_time = time.perf_counter() - started
         norm = engine.get_global_grad_norm()
-        tokens = c.micro_batch_size * self.gas * self.world * c.seq_length
+        tokens = c.micro_batch_size * self.gas * self.data_world * c.seq_length
         record = dict(step=step + 1, consumed_samples=self.consumed, loss=total, lm_loss=lm, lr=lr, grad_norm=None if norm is None else float(norm),
                       tokens_per_s=tokens / step_time, step_time=step_time,
                       moe_imbalance=max(balance.values()) if balance else None, target_tokens=int(targets))  # fmt: skip
@@ -296,22 +310,24 @@ class Trainer:
         return record
 
     def _token_normalizers(self, batches: list[Batch]) -> torch.Tensor:
-        """Per loss (LM, each MTP depth): the global batch's target count / (micro-batches x ranks). Each
+        """Per loss (LM, each MTP depth): the global batch's target count / (micro-batches x data ranks). Each
         micro-batch's loss is its token sum divided by it, so the micro-batch losses, averaged by DeepSpeed over
-        accumulation steps and ranks, are the token mean over the whole global batch (docs/numerics.md).
-        One all-reduce, no host sync (the counts are logged at the step's one sync)."""
+        accumulation steps and data ranks (summed over SP ranks), are the token mean over the whole global batch
+        (docs/numerics.md). Under SP each rank counts its own shard's targets. One all-reduce, no host sync (the
+        counts are logged at the step's one sync)."""
         model = self.engine.module
         counts = torch.stack([model.count_targets(**b.model_kwargs()) for b in batches]).sum(0)
-        real = torch.tensor([sum(b.real_tokens for b in batches)], device=counts.device, dtype=counts.dtype)
+        real_here = sum(b.real_tokens for b in batches) if self.sp_rank == 0 else 0  # once per SP group
+        real = torch.tensor([real_here], device=counts.device, dtype=counts.dtype)
         totals = torch.cat([counts, real])
         if self.world > 1:
             dist.all_reduce(totals)
         self._counts = totals[[0, -1]]  # LM targets and real tokens of the global batch, read when logging
-        return totals[:-1].double() / (self.gas * self.world)
+        return totals[:-1].double() / (self.gas * self.data_world)
 
     def _stop_if_not_finite(self, step: int, parts: list[LossParts]) -> None:
         """One all-reduce and one host sync per step: which micro-batches were not finite anywhere, and the
-        losses to log (means over micro-batches and ranks)."""
+        losses to log (means over micro-batches and data ranks, sums over SP ranks: the global token mean)."""
         flags = torch.stack([(~torch.isfinite(p.total.detach())).float() for p in parts])
         zero = torch.zeros((), device=flags.device)
 
@@ -320,7 +336,7 @@ class Trainer:
             return torch.stack([p.total.detach(), p.lm.detach(), *optional])
 
         per_micro = torch.stack([row(p) for p in parts]).float()  # [micro, 4]
-        sums = per_micro.sum(0) / (self.gas * self.world)
+        sums = per_micro.sum(0) / (self.gas * self.data_world)
         packed = torch.cat([flags, sums]).double()
         if self.world > 1:
             dist.all_reduce(packed)
