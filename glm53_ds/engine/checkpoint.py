@@ -33,6 +33,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from ..config import Glm53Config
 from ..convert.export_hf import native_to_hf
 from ..convert.native_format import ShardReader, ShardWriter, expert_set_name, read_layout, write_layout
+from ..parallel.expert_shard import ExpertShard, expert_tensor_kind
 from ..parallel.layout import ParallelLayout
 from ..parallel.params import is_expert_param
 from ..safe_io import (
@@ -54,9 +56,16 @@ from ..safe_io import (
     verify_files,
     write_manifest,
 )
-from .deepspeed_internals import moe_checkpoint_files_off, weights_only_loads
+from .deepspeed_internals import (
+    ADAM_MOMENTS,
+    ParamOptimizerState,
+    moe_checkpoint_files_off,
+    weights_only_loads,
+)
 
 FP32_PARAMS_OPTIMIZER = "fp32_params_optimizer.pt"  # bf16 runs: the fp32-kept parameters' optimizer state
+CLIENT_STATE = "client_state.pt"  # the trainer's step, data position and RNG, layout-free
+REPLICATED = "replicated"
 
 
 class CheckpointError(ValueError):
@@ -86,8 +95,17 @@ def _atomic_save(obj: Any, path: str) -> None:
     os.replace(tmp, path)
 
 
+def layout_record(engine: Any) -> dict[str, Any]:
+    """What a checkpoint's layout is (layout.json): a resume whose record differs goes through the layout-free
+    state instead of DeepSpeed's partitions."""
+    layout: ParallelLayout = engine.glm53_layout
+    return dict(world_size=layout.world_size, ep=layout.ep, etp=layout.etp, sp=layout.sp,
+                zero_stage=int(engine.zero_optimization_stage()),
+                dtype="bf16" if engine.bfloat16_enabled() else "fp32")  # fmt: skip
+
+
 def _write_replicated(model: Any, layout: ParallelLayout, root: str, state: dict[str, torch.Tensor],
-                      expert_names: set[str]) -> None:  # fmt: skip
+                      expert_names: set[str], meta: dict[str, Any]) -> None:  # fmt: skip
     """Every non-expert tensor and layout.json (global rank 0)."""
     if layout.rank != 0:
         return
@@ -97,8 +115,7 @@ def _write_replicated(model: Any, layout: ParallelLayout, root: str, state: dict
             writer.add(name, t)
     writer.close()
     cfg = getattr(model, "glm", None)
-    write_layout(root, dict(ep=layout.ep, etp=layout.etp, world_size=layout.world_size, model_only=False,
-                            config=cfg.to_text_dict() if cfg is not None else None))  # fmt: skip
+    write_layout(root, dict(meta, model_only=False, config=cfg.to_text_dict() if cfg is not None else None))
 
 
 def _write_experts(
@@ -111,6 +128,47 @@ def _write_experts(
     for name in sorted(expert_names):
         writer.add(name, state[name])
     writer.close()
+
+
+def _trained(engine: Any) -> list[tuple[str, torch.Tensor, ParamOptimizerState]]:
+    """Every trained tensor with what holds its optimizer state, in the same order on every rank: the model's
+    trainable parameters, then (bf16) HF's fp32-kept parameters, which have their own fp32 optimizer."""
+    access = ParamOptimizerState(engine)
+    out = [(n, p, access) for n, p in engine.module.named_parameters() if p.requires_grad]
+    side = getattr(engine, "glm53_fp32_params", None)
+    if side is not None:
+        side_access = ParamOptimizerState(SimpleNamespace(optimizer=side.optimizer))
+        out += [(n, t, side_access) for n, t in side.named]
+    return out
+
+
+def _write_portable_optimizer(engine: Any, layout: ParallelLayout, root: str) -> int:
+    """The layout-free optimizer state: per trained tensor, keyed by its native name, `<name>:exp_avg`,
+    `<name>:exp_avg_sq` and, where the model holds it in another dtype, `<name>:master` (fp32), in the model's
+    sets (`optimizer_replicated` by global rank 0, `optimizer_experts_ep<E>_etp<T>` by each shard's expert-DP rank
+    0; expert tensors hold the shard's local experts, as the model's). Collective; returns the step count."""
+    expert_writer = dist.get_rank(layout.expert_dp_group) == 0
+    writers = {
+        False: ShardWriter(root, f"optimizer_{REPLICATED}") if layout.rank == 0 else None,
+        True: ShardWriter(root, f"optimizer_{expert_set_name(layout.ep_rank, layout.etp_rank)}")
+        if expert_writer
+        else None,
+    }
+    step = 0
+    for name, tensor, access in _trained(engine):
+        values = access.get(tensor)  # collective under ZeRO
+        step = max(step, access.step())
+        writer = writers[is_expert_param(tensor)]
+        if writer is None:
+            continue
+        for key in ADAM_MOMENTS:
+            writer.add(f"{name}:{key}", values[key])
+        if tensor.dtype != torch.float32:
+            writer.add(f"{name}:master", values["master"])
+    for writer in writers.values():
+        if writer is not None:
+            writer.close()
+    return int(_from_rank0(step))
 
 
 def save_checkpoint(engine: Any, save_dir: str, tag: str, client_state: dict | None = None) -> str:
@@ -127,8 +185,12 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str, client_state: dict | N
     model = engine.module
     expert_names = {n for n, p in model.named_parameters() if is_expert_param(p)}
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state") and v is not None}
-    _write_replicated(model, layout, root, state, expert_names)
+    step = _write_portable_optimizer(engine, layout, root)
+    meta = dict(layout_record(engine), optimizer_state=dict(step=step))
+    _write_replicated(model, layout, root, state, expert_names, meta)
     _write_experts(layout, root, state, expert_names)
+    if layout.rank == 0:  # step, data position, RNG: read back at any layout
+        _atomic_save(client_state or {}, os.path.join(root, CLIENT_STATE))
     if engine.zero_optimization_stage() == 0:
         _atomic_save(engine.optimizer.state_dict(), os.path.join(root, f"optimizer_rank{layout.rank:05d}.pt"))
     side = getattr(engine, "glm53_fp32_params", None)
@@ -201,20 +263,98 @@ def verify_checkpoint(load_dir: str, tag: str | None = None) -> str:
     return tag
 
 
-def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None, verify: bool = True) -> dict:
-    """Restore model (and, unless model-only, optimizer and client state); returns the client state.
-    `verify=False` only when `verify_checkpoint` already checked this tag."""
+def check_checkpoint_fits(
+    load_dir: str, tag: str, cfg: Glm53Config, here: dict[str, Any], model_only: bool = False
+) -> dict[str, Any]:
+    """Refuse, before any work, a checkpoint this run cannot continue from, with one message naming why: another
+    model config (every differing key, e.g. the expert count), or, at another layout (`here`:
+    `layout_record`'s keys, known before the engine is built), no layout-free optimizer state (an older
+    checkpoint). `model_only` (or a model-only checkpoint): only the weights are needed. Returns layout.json."""
+    root = os.path.join(load_dir, tag, "glm53")
+    meta = read_layout(root)
+    stored = meta.get("config")
+    if stored is not None:
+        mine = cfg.to_text_dict()
+        differ = sorted(k for k in set(stored) | set(mine) if stored.get(k) != mine.get(k))
+        if differ:
+            shown = ", ".join(
+                f"{k}: {stored.get(k)!r} in the checkpoint, {mine.get(k)!r} here" for k in differ[:8]
+            )
+            raise CheckpointError(
+                f"{root} holds another model config ({shown}); it cannot be resumed by this model"
+            )
+    if model_only or meta.get("model_only"):
+        return meta
+    moved = {k: (meta.get(k), v) for k, v in here.items() if meta.get(k) != v}
+    if moved and "optimizer_state" not in meta:
+        shown = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in moved.items())
+        raise CheckpointError(
+            f"{root} has no layout-free optimizer state (saved before glm53_ds kept it); it resumes only at its own "
+            f"layout ({shown}); --load-model-only starts fresh optimizer state from its weights"
+        )
+    return meta
+
+
+class _StoredSets:
+    """A checkpoint's tensor sets by name (opened once), and this rank's part of any stored tensor at any layout."""
+
+    def __init__(self, root: str, meta: dict[str, Any], cfg: Glm53Config, target: ExpertShard) -> None:
+        self.root, self.target = root, target
+        self.saved = ExpertShard.for_config(cfg, ep=int(meta["ep"]), etp=int(meta["etp"]))
+        self._open: dict[str, ShardReader] = {}
+
+    def _reader(self, name: str) -> ShardReader:
+        if name not in self._open:
+            self._open[name] = ShardReader(self.root, name)
+        return self._open[name]
+
+    def has(self, prefix: str) -> bool:
+        return os.path.isfile(os.path.join(self.root, f"{prefix}{REPLICATED}.index.json"))
+
+    def keys(self, prefix: str = "") -> set[str]:
+        keys = set(self._reader(f"{prefix}{REPLICATED}").keys())
+        return keys | set(self._reader(f"{prefix}{expert_set_name(0, 0)}").keys())
+
+    def read(self, name: str, key: str, prefix: str = "") -> torch.Tensor:
+        """Stored tensor `key` of parameter `name`: replicated as is, a grouped expert tensor as this rank's shard
+        gathered from the stored shards (any EP / ETP)."""
+        kind = expert_tensor_kind(name)
+        if kind is None:
+            return self._reader(f"{prefix}{REPLICATED}").get(key)
+        return self.target.gather_from(
+            self.saved,
+            kind,
+            lambda e, t, index: self._reader(f"{prefix}{expert_set_name(e, t)}").get_slice(key, index),
+        )
+
+
+def load_checkpoint(
+    engine: Any, load_dir: str, tag: str | None = None, verify: bool = True, model_only: bool = False
+) -> dict:
+    """Restore the model and, unless model-only, the optimizer and client state; returns the client state.
+
+    At the layout that saved it (world size, EP, ETP, SP, ZeRO stage, dtype: `layout_record`) DeepSpeed restores its
+    own partitions (bitwise). At another layout the layout-free state is used instead: each rank reads its part of
+    every model tensor (expert shards regathered for its EP x ETP shard), and of every trained tensor's fp32 master
+    and Adam moments, and the step; the client state comes from glm53's own file. `model_only=True` loads the
+    weights only (fresh optimizer state, step 0). `verify=False` only when `verify_checkpoint` already checked
+    this tag."""
     layout: ParallelLayout = engine.glm53_layout
     tag = verify_checkpoint(load_dir, tag) if verify else (tag or latest_tag(load_dir))
     root = os.path.join(load_dir, tag, "glm53")
-    meta = read_layout(root)
-    if (meta["ep"], meta["etp"]) != (layout.ep, layout.etp):
-        raise CheckpointError(
-            f"{root} was saved with EP={meta['ep']}, ETP={meta['etp']}; this run has EP={layout.ep}, ETP={layout.etp} "
-            "(convert it with `python -m glm53_ds.convert` to change the layout)"
-        )
+    model = engine.module
+    cfg: Glm53Config = model.glm
+    here = layout_record(engine)
+    meta = check_checkpoint_fits(load_dir, tag, cfg, here, model_only)
+    model_only = model_only or bool(meta.get("model_only"))
+    same_layout = all(meta.get(k) == v for k, v in here.items())
+    sets = _StoredSets(root, meta, cfg, layout.expert_shard(cfg))
+    portable = not model_only and not same_layout
+    if portable and not sets.has("optimizer_"):
+        raise CheckpointError(f"{root}: layout.json records optimizer state but its tensor sets are missing")
+
     client_state: dict = {}
-    if not meta.get("model_only"):
+    if not model_only and same_layout:
         with (
             moe_checkpoint_files_off(engine),
             weights_only_loads(),
@@ -226,39 +366,63 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None, verify: 
                 load_optimizer_states=True,
                 load_lr_scheduler_states=True,
             )
-    readers = [
-        ShardReader(root, "replicated"),
-        ShardReader(root, expert_set_name(layout.ep_rank, layout.etp_rank)),
-    ]
-    current = {k: v for k, v in engine.module.state_dict().items() if not k.endswith("_extra_state")}
-    stored = {k for r in readers for k in r.keys()}
+
+    # the model: every tensor of the state dict (buffers too), this rank's part
+    current = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    stored = sets.keys()
     missing, unexpected = sorted(set(current) - stored), sorted(stored - set(current))
     if missing or unexpected:
         raise CheckpointError(
             f"{root}: checkpoint does not match the model: missing {missing[:10]}, unexpected {unexpected[:10]}"
         )
     with torch.no_grad():
-        for reader in readers:
-            for name, tensor in reader.items():
-                if tuple(tensor.shape) != tuple(current[name].shape):
-                    raise CheckpointError(
-                        f"{root}: {name} has shape {tuple(tensor.shape)}, the model {tuple(current[name].shape)}"
-                    )
-                current[name].copy_(tensor)
+        for name, target in current.items():
+            tensor = sets.read(name, name)
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise CheckpointError(
+                    f"{root}: {name} has shape {tuple(tensor.shape)}, the model {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+
     side = getattr(engine, "glm53_fp32_params", None)
-    if side is not None and not meta.get("model_only"):
+    if portable:
+        _load_portable_optimizer(engine, sets, int(meta["optimizer_state"]["step"]))
         with weights_only_loads():
-            side.load_state_dict(torch.load(os.path.join(root, FP32_PARAMS_OPTIMIZER), map_location="cpu",
-                                            weights_only=True))  # fmt: skip
-    if engine.zero_optimization_stage() == 0 and not meta.get("model_only"):
-        with weights_only_loads():
-            state = torch.load(
-                os.path.join(root, f"optimizer_rank{layout.rank:05d}.pt"),
-                map_location="cpu",
-                weights_only=True,
-            )
-        engine.optimizer.load_state_dict(state)
+            client_state = torch.load(os.path.join(root, CLIENT_STATE), map_location="cpu", weights_only=True)
+    elif not model_only:
+        if side is not None:
+            with weights_only_loads():
+                side.load_state_dict(torch.load(os.path.join(root, FP32_PARAMS_OPTIMIZER), map_location="cpu",
+                                                weights_only=True))  # fmt: skip
+        if engine.zero_optimization_stage() == 0:
+            with weights_only_loads():
+                state = torch.load(
+                    os.path.join(root, f"optimizer_rank{layout.rank:05d}.pt"),
+                    map_location="cpu",
+                    weights_only=True,
+                )
+            engine.optimizer.load_state_dict(state)
     return client_state or {}
+
+
+def _load_portable_optimizer(engine: Any, sets: _StoredSets, step: int) -> None:
+    """Every trained tensor's fp32 master (stored, or else the stored model value) and Adam moments, this rank's
+    part, into whatever optimizer holds it now; the Adam step of every state set to `step`."""
+    trained = _trained(engine)
+    for access in {id(a): a for _, _, a in trained}.values():
+        access.prepare(step)
+    keys = sets.keys("optimizer_")
+    for name, tensor, access in trained:
+        values = {}
+        for key in ADAM_MOMENTS:
+            if f"{name}:{key}" not in keys:
+                raise CheckpointError(f"{sets.root}: no optimizer state {key} for {name}")
+            values[key] = sets.read(name, f"{name}:{key}", prefix="optimizer_")
+        master = f"{name}:master"
+        values["master"] = (
+            sets.read(name, master, prefix="optimizer_") if master in keys else sets.read(name, name)
+        ).float()
+        access.set(tensor, values)
 
 
 def export_engine_to_hf(

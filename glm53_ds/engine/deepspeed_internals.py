@@ -7,7 +7,9 @@ glm53_ds needs DeepSpeed to do four things it has no public API for (docs/parall
      the norm of the global-batch gradient;
   4. keep HF's fp32-kept parameters out of its bf16 cast (`fp32_params.py`) yet in its global norm and step, load
      checkpoints whose model files glm53_ds writes itself, and load its pickled files without running code
-     (`weights_only_loads`).
+     (`weights_only_loads`);
+  5. read and write the optimizer state of one parameter whatever optimizer holds it (`ParamOptimizerState`),
+     for checkpoints that resume at another layout.
 `PATCHED_SYMBOLS` lists every private symbol touched here; `docs/parallelism.md` carries the same table and
 `tests/test_engine_internals.py` keeps the two equal and checks that no other module touches these symbols.
 `check_version()` refuses a DeepSpeed outside `SUPPORTED` before anything is patched.
@@ -47,7 +49,7 @@ FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # torch: weights_only even
 @dataclass(frozen=True)
 class PatchedSymbol:
     symbol: str
-    how: str  # read | written | replaced | wrapped | subclassed | toggled
+    how: str  # read | written | called | replaced | wrapped | subclassed | toggled | allowlisted
     why: str
 
 
@@ -83,6 +85,13 @@ PATCHED_SYMBOLS = (
     PatchedSymbol("deepspeed.runtime.zero.config.ZeroStageEnum", "allowlisted", "an enum in ZeRO optimizer files"),
     PatchedSymbol("deepspeed.utils.tensor_fragment.fragment_address", "allowlisted",
                   "a dataclass in ZeRO / BF16_Optimizer files"),
+    PatchedSymbol("DeepSpeedZeroOptimizer.optimizer", "read",
+                  "layout-free optimizer state: the base optimizer's `step` and flat Adam state (also BF16_Optimizer)"),
+    PatchedSymbol("DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state", "called",
+                  "after a layout change: link each parameter's fragments to the Adam state made for it (also BF16_Optimizer)"),
+    PatchedSymbol("DeepSpeedZeroOptimizer._hp_optimizer_states_linked", "written", "reset so that the link above runs"),
+    PatchedSymbol("FP16_UnfusedOptimizer.fp16_groups", "read", "stage-0 bf16: parameter -> its fp32 copy"),
+    PatchedSymbol("FP16_UnfusedOptimizer.fp32_groups", "read", "the fp32 copies (the masters)"),
 )  # fmt: skip
 
 
@@ -252,11 +261,12 @@ def install_fp32_params(engine: Any, side: Fp32Params, layout: ParallelLayout) -
         raise ValueError("glm53_ds keeps HF's fp32 parameters out of DeepSpeed's cast under bf16; fp16 (loss "
                          "scaling) is not supported: use bf16")  # fmt: skip
     original_step = engine.step
+    side.sequence_parallel = layout.sp
 
     def step(*args: Any, **kwargs: Any) -> Any:
         boundary = engine.is_gradient_accumulation_boundary()
         if boundary:
-            side.reduce(layout.sp)
+            side.reduce()
         try:
             result = original_step(*args, **kwargs)
             if boundary and engine.was_step_applied():
@@ -302,3 +312,108 @@ def install_fp32_params(engine: Any, side: Fp32Params, layout: ParallelLayout) -
             return original_clip(total_norm, apply_scale)
 
         optimizer.unscale_and_clip_grads = unscale_and_clip_grads
+
+
+# ----------------------------------------------------------------------------- 5. per-parameter optimizer state
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class ParamOptimizerState:
+    """Read and write one parameter's Adam state (fp32 master, `exp_avg`, `exp_avg_sq`) and the step count, whatever
+    holds it: a plain torch optimizer (stage 0 fp32), DeepSpeed's ZeRO-1/2 or BF16_Optimizer (flat fp32
+    partitions, reached through DeepSpeed's public `safe_get_full_*` / `safe_set_full_*` and the parameters' hp
+    mapping) or the stage-0 bf16 optimizer (`FP16_UnfusedOptimizer`: an fp32 copy per parameter). The layout-free
+    checkpoint state of `checkpoint.py` goes through here.
+
+    `get` is collective under ZeRO (it all-reduces the parameter's fragments over the parameter's data-parallel
+    group): every rank calls it for the same parameters in the same order. `set` is local."""
+
+    def __init__(self, engine: Any) -> None:
+        self.optimizer = engine.optimizer
+        opt = self.optimizer
+        if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+            self.kind = "partitioned"  # ZeRO-1/2, BF16_Optimizer
+            inner = opt.optimizer
+            if all(flat in inner.state for g in inner.param_groups for flat in g["params"]):
+                # DeepSpeed 0.19.8's ZeRO links every parameter's fragments to the Adam state right after the first
+                # parameter group's first step, when the other groups have none yet: their fragments stay empty.
+                # Linked again here, now that every group has its state.
+                self._relink()
+        elif hasattr(opt, "fp32_groups") and hasattr(opt, "fp16_groups"):
+            self.kind = "fp32_copies"
+            self._copy = {
+                id(p): c
+                for ps, cs in zip(opt.fp16_groups, opt.fp32_groups, strict=True)
+                for p, c in zip(ps, cs, strict=True)
+            }
+        elif isinstance(opt, torch.optim.Optimizer):
+            self.kind = "plain"
+        else:
+            raise ValueError(
+                f"optimizer {type(opt).__name__}: glm53_ds cannot read its state per parameter (supported: a torch "
+                "optimizer at stage 0, ZeRO-1/2, BF16_Optimizer, the stage-0 bf16 optimizer)"
+            )
+
+    def _inner(self) -> torch.optim.Optimizer:
+        return self.optimizer if self.kind == "plain" else self.optimizer.optimizer
+
+    def step(self) -> int:
+        """Optimizer steps taken (the largest Adam `step` held; 0 before the first)."""
+        steps = [float(s["step"]) for s in self._inner().state.values() if "step" in s]
+        return int(max(steps)) if steps else 0
+
+    def get(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """fp32 {"master", "exp_avg", "exp_avg_sq"} of the whole parameter (zeros before the first step)."""
+        if self.kind == "partitioned":
+            from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+            if not self._inner().state:  # no step yet: nothing linked
+                zeros = torch.zeros_like(param, dtype=torch.float32)
+                return {"master": param.detach().float(), **{k: zeros for k in ADAM_MOMENTS}}
+            out = {"master": safe_get_full_fp32_param(param)}
+            for key in ADAM_MOMENTS:
+                out[key] = safe_get_full_optimizer_state(param, key)
+            return {k: v.detach().float().cpu() for k, v in out.items()}
+        holder = self._copy[id(param)] if self.kind == "fp32_copies" else param
+        state = self._inner().state.get(holder, {})
+        out = {"master": holder.detach().float()}
+        for key in ADAM_MOMENTS:
+            out[key] = state[key].detach().float() if key in state else torch.zeros_like(out["master"])
+        return {k: v.cpu() for k, v in out.items()}
+
+    def prepare(self, step: int) -> None:
+        """Before `set`: give every parameter an Adam state at `step` (DeepSpeed creates it lazily at the first
+        step, and ZeRO links each parameter's fragments to it only then)."""
+        inner = self._inner()
+        for group in inner.param_groups:
+            for flat in group["params"]:
+                state = inner.state[flat]
+                state["step"] = torch.tensor(float(step), dtype=torch.float32)
+                for key in ADAM_MOMENTS:
+                    state[key] = torch.zeros_like(flat, dtype=torch.float32)
+        if self.kind == "partitioned":
+            self._relink()
+
+    def _relink(self) -> None:
+        self.optimizer._hp_optimizer_states_linked = False
+        self.optimizer._lazy_init_hp_params_optimizer_state()
+
+    def set(self, param: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
+        """Write a whole parameter's fp32 master and moments (this rank keeps its own fragment); the parameter
+        itself becomes the master in its dtype."""
+        master = values["master"]
+        with torch.no_grad():
+            param.copy_(master.to(param.device, param.dtype))
+        if self.kind == "partitioned":
+            from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+            safe_set_full_fp32_param(param, master.to(param.device))
+            for key in ADAM_MOMENTS:
+                safe_set_full_optimizer_state(param, values[key].to(param.device), key)
+            return
+        holder = self._copy[id(param)] if self.kind == "fp32_copies" else param
+        with torch.no_grad():
+            holder.copy_(master.to(holder.device, holder.dtype))
+        state = self._inner().state[holder]
+        for key in ADAM_MOMENTS:
+            state[key].copy_(values[key].to(holder.device))

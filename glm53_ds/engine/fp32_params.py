@@ -47,6 +47,7 @@ class Fp32Params:
             owner.register_buffer(attr, param.detach().float().clone(), persistent=True)
             self.slots.append((name, owner, attr))
         self.optimizer: torch.optim.Optimizer | None = None
+        self.sequence_parallel = 1  # SP shards of one sample: their gradients add up (set from the layout)
         self._square_norm: torch.Tensor | None = None
 
     def __len__(self) -> int:
@@ -69,15 +70,14 @@ class Fp32Params:
         self.optimizer = make_optimizer(groups(self.named))
 
     # ------------------------------------------------------------------ one optimizer step
-    def reduce(self, sequence_parallel: int = 1) -> torch.Tensor:
-        """Sum the gradients over the world, divided by world / `sequence_parallel` (SP shards of one sample add
-        up, samples average; one flat all-reduce); returns their squared norm (fp32, 0-d), kept for DeepSpeed's
-        global norm."""
+    def reduce(self) -> torch.Tensor:
+        """Sum the gradients over the world, divided by world / SP (SP shards of one sample add up, samples
+        average; one flat all-reduce); returns their squared norm (fp32, 0-d), kept for DeepSpeed's global norm."""
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in self.tensors]
         flat = torch.cat([g.reshape(-1).float() for g in grads])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flat)
-            flat /= dist.get_world_size() // sequence_parallel
+            flat /= dist.get_world_size() // self.sequence_parallel
         offset = 0
         for t, g in zip(self.tensors, grads, strict=True):
             t.grad = flat[offset : offset + g.numel()].view_as(t).clone()

@@ -69,6 +69,7 @@ class TrainConfig:
     save_interval: int = 0
     load: str | None = None
     load_tag: str | None = None
+    load_model_only: bool = False  # --load's weights only: fresh optimizer state, step 0, data from the start
     export_hf: str | None = None
     force: bool = (
         False  # --export-hf may write into an existing non-empty directory (replacing only its files)
