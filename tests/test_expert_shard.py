@@ -99,7 +99,7 @@ def test_gather_from_any_stored_layout_equals_slicing_the_whole_tensor():
             for target in ExpertShard(e, i, ep, 0, etp, 0).all_shards():
                 for kind, full in whole.items():
                     got = target.gather_from(
-                        stored, kind, lambda a, b, index, k=kind: parts[(a, b)][k][index]
+                        stored, kind, lambda a, b, index, k=kind, p=parts: p[(a, b)][k][index]
                     )
                     assert torch.equal(got, target.shard(kind, full)), (stored_ep, stored_etp, ep, etp, kind)
     with pytest.raises(ValueError, match="stored experts 16 x intermediate 12 differ"):
