@@ -189,7 +189,8 @@ def test_packed_chat_resume_is_bitwise(tmp_path, capsys):
     assert first.returncode == 0, first.stderr[-2000:]
     assert convert_main(["describe", str(tmp_path / "ckpt"), "--tag", "step2"]) == 0
     report = capsys.readouterr().out
-    assert "world size 1, EP 1, ETP 1, with optimizer state" in report and "complete" in report
+    assert "world size 1, EP 1, ETP 1, SP 1, ZeRO stage 0, dtype fp32, with optimizer state" in report, report
+    assert "resumable at: any layout (layout-free optimizer state, step 2)" in report and "complete" in report
     again = python_run(*common, "--load", str(tmp_path / "ckpt"), "--load-tag", "step2",
                        "--output-dir", str(tmp_path / "b"))  # fmt: skip
     assert again.returncode == 0, again.stderr[-2000:]

@@ -1,6 +1,6 @@
 """Resume at another cluster layout (#19): a training checkpoint saved at world 4, EP2 x ETP2, ZeRO-2 (fp32) at
-step 3 of 6 continues at world 2 EP2, world 4 EP4 and world 4 EP1 under ZeRO-1, through the layout-free optimizer
-state (engine/checkpoint.py); the same global batch (8 rows) at every layout.
+step 3 of 6 continues at world 2 EP2, world 4 EP4, world 4 EP1 under ZeRO-1 and world 4 SP2 x EP2, through the
+layout-free optimizer state (engine/checkpoint.py); the same global batch (8 rows) at every layout.
 
 Tolerance: steps 4..6's LM loss within 1e-6 relative of the uninterrupted run. The resumed state is exact (the bf16
 test below checks the masters and moments bitwise); what differs is the reduction order of the new layout, which
@@ -47,6 +47,7 @@ def test_resume_at_other_world_sizes_ep_etp_and_zero_stages(tmp_path):
         ("world2_ep2", 2, ["--ep", "2", "--deepspeed_config", _ds_config(tmp_path, 2)]),
         ("world4_ep4", 4, ["--ep", "4", "--deepspeed_config", _ds_config(tmp_path, 2)]),
         ("world4_ep1_zero1", 4, ["--ep", "1", "--deepspeed_config", _ds_config(tmp_path, 1)]),
+        ("world4_sp2_ep2", 4, ["--sp", "2", "--ep", "2", "--deepspeed_config", _ds_config(tmp_path, 2)]),
     ]:
         proc = deepspeed_run(ranks, *common, *args, *load, "--output-dir", str(tmp_path / name))
         assert proc.returncode == 0, (name, proc.stdout[-3000:] + proc.stderr[-3000:])

@@ -34,8 +34,14 @@ def describe_checkpoint(path: str, tag: str | None = None, out: Callable[..., ob
     ep, etp = int(meta["ep"]), int(meta["etp"])
     out(f"checkpoint {root}")
     world = meta.get("world_size")
-    out(f"  layout: world size {world if world is not None else '- (converted)'}, EP {ep}, ETP {etp}, "
+    extra = "".join(f", {label} {meta[key]}" for key, label in (("sp", "SP"), ("zero_stage", "ZeRO stage"),
+                                                                 ("dtype", "dtype")) if key in meta)  # fmt: skip
+    out(f"  layout: world size {world if world is not None else '- (converted)'}, EP {ep}, ETP {etp}{extra}, "
         f"{'model only' if meta.get('model_only', True) else 'with optimizer state'}")  # fmt: skip
+    portable = meta.get("optimizer_state")
+    if not meta.get("model_only", True):
+        out("  resumable at: " + (f"any layout (layout-free optimizer state, step {portable['step']})" if portable
+                                  else "its own layout only (no layout-free optimizer state)"))  # fmt: skip
     if cfg is not None:
         out(f"  model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
             f"{cfg.n_routed_experts} experts (top-{cfg.num_experts_per_tok}), MTP {cfg.num_nextn_predict_layers}")  # fmt: skip
@@ -51,6 +57,11 @@ def describe_checkpoint(path: str, tag: str | None = None, out: Callable[..., ob
         problems.append("the replicated model files are missing")
     if missing_sets:
         problems.append(f"expert shards missing: {', '.join(missing_sets)}")
+    if portable:
+        missing_state = [f"optimizer_{s}" for s in ["replicated"] + [expert_set_name(e, t) for e in range(ep)
+                         for t in range(etp)] if f"optimizer_{s}.index.json" not in names]  # fmt: skip
+        if missing_state:
+            problems.append(f"layout-free optimizer state missing: {', '.join(missing_state)}")
     out(f"  model files: replicated set + {ep * etp - len(missing_sets)}/{ep * etp} expert shards")
     partitions = (
         sorted(n for n in os.listdir(root) if n.endswith("optim_states.pt")) if root != model_dir else []
