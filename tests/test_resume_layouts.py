@@ -55,12 +55,26 @@ def test_resume_at_other_world_sizes_ep_etp_and_zero_stages(tmp_path):
         assert [r["step"] for r in resumed] == [4, 5, 6], name
         errors = [_rel(r["lm_loss"], reference[r["step"]]) for r in resumed]
         assert max(errors) <= 1e-6, (name, errors)
+    # the fp32 checkpoint continues in bf16 (ZeRO-2, world 2 EP2): masters from the fp32 weights, the fp32-kept
+    # parameters under their own optimizer; bf16 tracks fp32 here (measured 1.4e-4)
+    proc = deepspeed_run(2, *common, "--ep", "2", "--deepspeed_config", _ds_config(tmp_path, 2, bf16=True), *load,
+                         "--output-dir", str(tmp_path / "bf16"))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    in_bf16 = [_rel(r["lm_loss"], reference[r["step"]]) for r in metrics(tmp_path / "bf16")]
+    assert len(in_bf16) == 3 and max(in_bf16) <= 5e-3, in_bf16
     # control: fresh optimizer state at the same layout change
     proc = deepspeed_run(2, *common, "--ep", "2", "--deepspeed_config", _ds_config(tmp_path, 2), *load,
                          "--output-dir", str(tmp_path / "fresh"), script=FRESH_OPTIMIZER)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     fresh = [_rel(r["lm_loss"], reference[r["step"]]) for r in metrics(tmp_path / "fresh")]
     assert max(fresh) > 1e-3, fresh
+
+    # --load-model-only: the weights at step 3, fresh optimizer, step 1 on the first batch again
+    proc = deepspeed_run(2, *common[:1], "1", *common[2:], "--ep", "2", "--deepspeed_config", _ds_config(tmp_path, 2),
+                         *load, "--load-model-only", "--output-dir", str(tmp_path / "weights"))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (first,) = metrics(tmp_path / "weights")
+    assert first["step"] == 1 and first["lm_loss"] < reference[1] - 0.05, (first, reference)
 
     # bad input, refused before any work with one message, nothing written
     before = sorted(p.relative_to(ckpt) for p in ckpt.rglob("*"))

@@ -29,7 +29,7 @@ from ..engine.checkpoint import check_checkpoint_fits, verify_checkpoint
 from ..hf_loader import SafetensorsCheckpoint, checkpoint_has_mtp, load_hf_state_into
 from ..layers.moe import update_router_bias
 from ..model import Glm53Model, LossParts
-from ..parallel.layout import ParallelLayout, data_rank, init_layout, validate_layout
+from ..parallel.layout import ParallelLayout, init_layout, validate_layout
 from ..parallel.replicas import check_replicas
 from ..transformer_config import make_transformer_config
 from .args import build_parser
@@ -176,9 +176,6 @@ class Trainer:
                 )
         except ValueError as e:
             raise SetupError(f"--ep {c.ep} --etp {c.etp} --sp {c.sp}: {e}") from e
-        # the sample stream this rank reads: every rank of an SP group reads the same rows
-        self.data_world, self.data_rank = self.world // c.sp, data_rank(self.rank, c.ep * c.etp, c.sp)
-        self.sp_rank = (self.rank // (c.ep * c.etp)) % c.sp
         self.gas = gradient_accumulation(c, self.world)
         self.ds_config = deepspeed_config(c, self.world, self.gas)
         # Rank 0 tokenizes (and packs) once; the others wait, then every rank reads the same cache.
@@ -206,6 +203,12 @@ class Trainer:
             )
 
         self.layout = init_layout(c.ep, c.etp, cfg, sp=c.sp)
+        # the sample stream this rank reads: every rank of an SP group reads the same rows
+        self.data_world, self.data_rank, self.sp_rank = (
+            self.layout.data_world,
+            self.layout.data_rank,
+            self.layout.sp_rank,
+        )
         self.engine = build_engine(self._build_model(), self.ds_config, optimizer=self._adamw, layout=self.layout,
                                    no_decay_pattern=c.no_decay_pattern)  # fmt: skip
         if self.rank == 0:
