@@ -110,6 +110,12 @@ def test_resume_at_other_world_sizes_ep_etp_and_zero_stages(tmp_path):
     check_checkpoint_fits(str(damaged), "step3", cfg, here, model_only=True)  # weights only: fine
     same = dict(world_size=4, ep=2, etp=2, sp=1, zero_stage=2, dtype="fp32")
     check_checkpoint_fits(str(damaged), "step3", cfg, same)  # its own layout: DeepSpeed's partitions
+    for key in ("sp", "zero_stage", "dtype"):  # older checkpoints recorded world size, EP and ETP only
+        del meta[key]
+    layout_json.write_text(json.dumps(meta))
+    check_checkpoint_fits(str(damaged), "step3", cfg, dict(same, zero_stage=1, sp=2))  # unrecorded: unchanged
+    with pytest.raises(CheckpointError, match=r"\(ep 2 -> 4\)"):
+        check_checkpoint_fits(str(damaged), "step3", cfg, dict(same, ep=4))
 
 
 @pytest.mark.slow

@@ -285,7 +285,7 @@ def check_checkpoint_fits(
             )
     if model_only or meta.get("model_only"):
         return meta
-    moved = {k: (meta.get(k), v) for k, v in here.items() if meta.get(k) != v}
+    moved = _moved(meta, here)
     if moved and "optimizer_state" not in meta:
         shown = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in moved.items())
         raise CheckpointError(
@@ -293,6 +293,12 @@ def check_checkpoint_fits(
             f"layout ({shown}); --load-model-only starts fresh optimizer state from its weights"
         )
     return meta
+
+
+def _moved(meta: dict[str, Any], here: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The layout keys that differ between a checkpoint and this run. Checkpoints written before SP, ZeRO stage and
+    dtype were recorded hold world size, EP and ETP only; what they do not record counts as unchanged."""
+    return {k: (meta[k], v) for k, v in here.items() if k in meta and meta[k] != v}
 
 
 class _StoredSets:
@@ -347,7 +353,7 @@ def load_checkpoint(
     here = layout_record(engine)
     meta = check_checkpoint_fits(load_dir, tag, cfg, here, model_only)
     model_only = model_only or bool(meta.get("model_only"))
-    same_layout = all(meta.get(k) == v for k, v in here.items())
+    same_layout = not _moved(meta, here)
     sets = _StoredSets(root, meta, cfg, layout.expert_shard(cfg))
     portable = not model_only and not same_layout
     if portable and not sets.has("optimizer_"):
