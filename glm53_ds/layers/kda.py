@@ -8,6 +8,8 @@ g_b(g_a(x)) -> o_proj -> [s, b, D].
 Forget gate: f = f_b(f_a(x)) + dt_bias, A = exp(A_log) per head; with `linear_lower_bound` L:
 g = L * sigmoid(A * f) (in [L, 0]); without it: g = -A * softplus(f) (softplus taken as f above 20).
 `A_log`, `dt_bias` and the convolutions are fp32 parameters whatever the model dtype (HF keeps them fp32).
+Packed documents restart the conv window and the state; under sequence parallelism the conv and the delta rule run
+on all tokens of H/N heads after an all-to-all (`KimiDeltaAttention.forward`, parallel/sequence.py).
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ to the token set its DSA indexer chose (or, for an `indexer_types == "shared"` l
 layer chose, passed in through the transformer block's `context`). Attention is exact masked softmax attention
 as HF's eager path; a query whose set is empty (padding rows) averages all values as HF does.
 
+Packed documents: the indexer and the attention run once per document (pools start at its first token). Under
+sequence parallelism the indexer keys and selections are gathered and the attention runs head-sharded on the whole
+row (`SparseMLA.forward`, parallel/sequence.py). The mask is built per block of query rows (`sparse_attention`).
+
 The config's `attention_impl` (`glm53_ds/backends.py`) picks how it is computed: `sdpa` (default) through torch's fused kernels, which never hold the
 [b, H, s, s] scores; `eager` as HF's expression, scores rounded to the activation dtype before the fp32 softmax.
 The two agree to ~1e-7 in fp32. In bf16 they differ by that rounding: eager matches HF bf16 (logits cosine 0.99998
