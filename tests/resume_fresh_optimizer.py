@@ -12,7 +12,7 @@ from glm53_ds.training.trainer import main  # noqa: E402
 
 
 def _fresh_optimizer(engine, sets, step):  # type: ignore[no-untyped-def]
-    for access in {id(a): a for _, _, a in checkpoint._trained(engine)}.values():
+    for access in checkpoint._optimizers(checkpoint._trained(engine)):
         access.prepare(step)
 
 

@@ -95,13 +95,17 @@ def _atomic_save(obj: Any, path: str) -> None:
     os.replace(tmp, path)
 
 
-def layout_record(engine: Any) -> dict[str, Any]:
+def layout_record(world_size: int, ep: int, etp: int, sp: int, zero_stage: int, bf16: bool) -> dict[str, Any]:
     """What a checkpoint's layout is (layout.json): a resume whose record differs goes through the layout-free
-    state instead of DeepSpeed's partitions."""
+    state instead of DeepSpeed's partitions. Known before an engine is built (the trainer checks it then)."""
+    return dict(world_size=world_size, ep=ep, etp=etp, sp=sp, zero_stage=int(zero_stage),
+                dtype="bf16" if bf16 else "fp32")  # fmt: skip
+
+
+def engine_layout_record(engine: Any) -> dict[str, Any]:
     layout: ParallelLayout = engine.glm53_layout
-    return dict(world_size=layout.world_size, ep=layout.ep, etp=layout.etp, sp=layout.sp,
-                zero_stage=int(engine.zero_optimization_stage()),
-                dtype="bf16" if engine.bfloat16_enabled() else "fp32")  # fmt: skip
+    return layout_record(layout.world_size, layout.ep, layout.etp, layout.sp, engine.zero_optimization_stage(),
+                         engine.bfloat16_enabled())  # fmt: skip
 
 
 def _write_replicated(model: Any, layout: ParallelLayout, root: str, state: dict[str, torch.Tensor],
@@ -142,6 +146,11 @@ def _trained(engine: Any) -> list[tuple[str, torch.Tensor, ParamOptimizerState]]
     return out
 
 
+def _optimizers(trained: list[tuple[str, torch.Tensor, ParamOptimizerState]]) -> list[ParamOptimizerState]:
+    """The distinct optimizers behind `_trained`'s tensors (the engine's, and the fp32-kept parameters')."""
+    return list({id(a): a for _, _, a in trained}.values())
+
+
 def _write_portable_optimizer(engine: Any, layout: ParallelLayout, root: str) -> int:
     """The layout-free optimizer state: per trained tensor, keyed by its native name, `<name>:exp_avg`,
     `<name>:exp_avg_sq` and, where the model holds it in another dtype, `<name>:master` (fp32), in the model's
@@ -154,10 +163,9 @@ def _write_portable_optimizer(engine: Any, layout: ParallelLayout, root: str) ->
         if expert_writer
         else None,
     }
-    step = 0
-    for name, tensor, access in _trained(engine):
+    trained = _trained(engine)
+    for name, tensor, access in trained:
         values = access.get(tensor)  # collective under ZeRO
-        step = max(step, access.step())
         writer = writers[is_expert_param(tensor)]
         if writer is None:
             continue
@@ -168,6 +176,7 @@ def _write_portable_optimizer(engine: Any, layout: ParallelLayout, root: str) ->
     for writer in writers.values():
         if writer is not None:
             writer.close()
+    step = max((a.step() for a in _optimizers(trained)), default=0)
     return int(_from_rank0(step))
 
 
@@ -186,7 +195,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str, client_state: dict | N
     expert_names = {n for n, p in model.named_parameters() if is_expert_param(p)}
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state") and v is not None}
     step = _write_portable_optimizer(engine, layout, root)
-    meta = dict(layout_record(engine), optimizer_state=dict(step=step))
+    meta = dict(engine_layout_record(engine), optimizer_state=dict(step=step))
     _write_replicated(model, layout, root, state, expert_names, meta)
     _write_experts(layout, root, state, expert_names)
     if layout.rank == 0:  # step, data position, RNG: read back at any layout
@@ -350,7 +359,7 @@ def load_checkpoint(
     root = os.path.join(load_dir, tag, "glm53")
     model = engine.module
     cfg: Glm53Config = model.glm
-    here = layout_record(engine)
+    here = engine_layout_record(engine)
     meta = check_checkpoint_fits(load_dir, tag, cfg, here, model_only)
     model_only = model_only or bool(meta.get("model_only"))
     same_layout = not _moved(meta, here)
@@ -415,7 +424,7 @@ def _load_portable_optimizer(engine: Any, sets: _StoredSets, step: int) -> None:
     """Every trained tensor's fp32 master (stored, or else the stored model value) and Adam moments, this rank's
     part, into whatever optimizer holds it now; the Adam step of every state set to `step`."""
     trained = _trained(engine)
-    for access in {id(a): a for _, _, a in trained}.values():
+    for access in _optimizers(trained):
         access.prepare(step)
     keys = sets.keys("optimizer_")
     for name, tensor, access in trained:

@@ -31,7 +31,13 @@ import torch.distributed as dist
 from deepspeed.moe.layer import MoE
 from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
-from deepspeed.utils import groups
+from deepspeed.utils import (
+    groups,
+    safe_get_full_fp32_param,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
 from deepspeed.utils.tensor_fragment import fragment_address
 from packaging.version import Version
 from torch import nn
@@ -365,8 +371,6 @@ class ParamOptimizerState:
     def get(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """fp32 {"master", "exp_avg", "exp_avg_sq"} of the whole parameter (zeros before the first step)."""
         if self.kind == "partitioned":
-            from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
             if not self._inner().state:  # no step yet: nothing linked
                 zeros = torch.zeros_like(param, dtype=torch.float32)
                 return {"master": param.detach().float(), **{k: zeros for k in ADAM_MOMENTS}}
@@ -405,8 +409,6 @@ class ParamOptimizerState:
         with torch.no_grad():
             param.copy_(master.to(param.device, param.dtype))
         if self.kind == "partitioned":
-            from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
             safe_set_full_fp32_param(param, master.to(param.device))
             for key in ADAM_MOMENTS:
                 safe_set_full_optimizer_state(param, values[key].to(param.device), key)

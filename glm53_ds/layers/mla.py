@@ -230,7 +230,7 @@ class SparseMLA(nn.Module):
             and self.training
             and torch.is_grad_enabled()
         )
-        per_document_scores: list[tuple[IndexerScores, torch.Tensor]] = []
+        scores_of: dict[int, tuple[IndexerScores, torch.Tensor]] = {}  # by document, for the indexer loss
         if self.indexer is not None:
             # detached inputs: the indexer loss trains only the indexer, and the LM loss never does
             with torch.set_grad_enabled(train_indexer):
@@ -238,7 +238,7 @@ class SparseMLA(nn.Module):
                 if sp is not None:
                     keys = (sp.gather_tokens(keys[0]), sp.gather_tokens(keys[1]))  # [b, S, d] each
             parts = []
-            for a, e in bounds:  # the documents holding this rank's queries
+            for d, (a, e) in enumerate(bounds):  # the documents holding this rank's queries
                 first, last = max(a, start), min(e, start + s)
                 if first >= last:
                     continue
@@ -250,7 +250,7 @@ class SparseMLA(nn.Module):
                     )  # fmt: skip
                 selection, selected = self.indexer.select(scored, mask[:, rows])
                 parts.append(selection)
-                per_document_scores.append((scored, selected))
+                scores_of[d] = (scored, selected)
             topk = torch.cat(parts, dim=1)  # [b, s, W]
             if sp is not None:
                 topk = sp.gather_tokens(topk)  # [b, S, W]
@@ -272,7 +272,7 @@ class SparseMLA(nn.Module):
                 sparse_attention(qd, kd, vd, topk[:, a:e], self.scaling, dropout, self.attention_impl)
             )  # [b, L, h, dv]
             if train_indexer:
-                scored, selected = per_document_scores[d]
+                scored, selected = scores_of[d]
                 terms.append(
                     indexer_kl_terms(
                         qd, kd, topk_to_mask(topk[:, a:e], e - a), self.scaling, scored, selected

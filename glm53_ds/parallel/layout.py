@@ -6,7 +6,7 @@ Rank order (fastest first) TP-ETP-EP-SP-DP, TP = PP = 1 (attention replicated):
 EP = `ep`, ETP = `etp` (megatron's expert order ETP-EP-expert-DP is the one above: SP and DP together are megatron's
 expert-data-parallel dimension), and returns a `ParallelLayout` holding
   - megatron's groups (EP, ETP, expert-data-parallel) and a `pg_collection` that model modules receive, with the
-    sequence-parallel group added as `pg_collection.sp` (`sequence_group(pg_collection)`);
+    sequence-parallel group added as `pg_collection.sp` (`SequenceParallel.of(pg_collection)`);
   - `sp_group`: the SP ranks that share one sample, each holding a contiguous 1/SP of its tokens
     (parallel/sequence.py);
   - `dp_group`: the ranks sharing this rank's ETP rank (WORLD / ETP ranks, SP ranks included). An engine that

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from ..config import Glm53Config
 from ..engine import build_engine, export_engine_to_hf, init_distributed, load_checkpoint, save_checkpoint
 from ..engine.build import describe_param_groups, set_learning_rate
-from ..engine.checkpoint import check_checkpoint_fits, verify_checkpoint
+from ..engine.checkpoint import check_checkpoint_fits, layout_record, verify_checkpoint
 from ..hf_loader import SafetensorsCheckpoint, checkpoint_has_mtp, load_hf_state_into
 from ..layers.moe import update_router_bias
 from ..model import Glm53Model, LossParts
@@ -195,9 +195,8 @@ class Trainer:
         if (
             c.load
         ):  # another model config, or another layout without layout-free state: refused before any work
-            here = dict(world_size=self.world, ep=c.ep, etp=c.etp, sp=c.sp,
-                        zero_stage=int(self.ds_config.get("zero_optimization", {}).get("stage", 0)),
-                        dtype="bf16" if self.ds_config.get("bf16", {}).get("enabled") else "fp32")  # fmt: skip
+            here = layout_record(self.world, c.ep, c.etp, c.sp, self.ds_config.get("zero_optimization", {}).get("stage", 0),
+                                 bool(self.ds_config.get("bf16", {}).get("enabled")))  # fmt: skip
             _or_setup_error(
                 lambda: check_checkpoint_fits(c.load, str(load_tag), cfg, here, c.load_model_only)
             )
