@@ -40,6 +40,12 @@ def _child(rank: int, world: int, port: int, scenario: str, kwargs: dict[str, An
         payload = {"ok": False, "error": traceback.format_exc()}
     with open(path, "w", encoding="utf-8") as f:
         json.dump(payload, f)
+    if payload[
+        "ok"
+    ]:  # a finished rank's groups, destroyed before teardown (see engine.build.close_distributed)
+        from glm53_ds.engine import close_distributed
+
+        close_distributed()
     if not payload["ok"]:
         raise SystemExit(1)
 

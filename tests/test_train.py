@@ -175,6 +175,20 @@ def test_setup_failures_name_the_problem(tmp_path, args, message):
     assert not (tmp_path / "out" / "metrics.jsonl").exists() or not metrics(tmp_path / "out")
 
 
+def test_main_destroys_the_process_group_on_every_exit(tmp_path):
+    """Left to interpreter teardown, gloo's threads sometimes abort the process after main has returned (measured:
+    1 of 8 refused two-rank runs exited 250 instead of 2, 0 of 16 with the groups destroyed). Whatever main
+    returns, it leaves no process group behind: a refusal after torch.distributed is up, and a finished run."""
+    probe = (
+        "import sys, torch.distributed as dist; from glm53_ds.training.trainer import main; "
+        "rc = main(sys.argv[1:]); print('exit', rc, 'initialized', dist.is_initialized())"
+    )
+    for args, rc in [(["--sp", "2"], 2), (["--train-iters", "1"], 0)]:
+        proc = subprocess.run([sys.executable, "-c", probe, *args, "--output-dir", str(tmp_path / "out")],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+        assert f"exit {rc} initialized False" in proc.stdout, proc.stdout[-1000:] + proc.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_readme_main_job_command_lowers_loss(tmp_path):
     """README's main job as its first block gives it, after the install: `deepspeed launch/train.py` (tiny preset,

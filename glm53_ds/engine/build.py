@@ -69,6 +69,14 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend=default_backend(), verbose=False)
 
 
+def close_distributed() -> None:
+    """Destroy the process groups before the interpreter exits. Left to interpreter teardown, gloo's worker
+    threads are sometimes destroyed while joinable and the process aborts ("terminate called without an active
+    exception", exit status 250 through DeepSpeed's launcher) after the trainer has returned its own code."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def prepare_model(model: nn.Module, layout: ParallelLayout) -> None:
     """Tag parameters as DeepSpeed expects and attach the MoE markers (idempotent).
 

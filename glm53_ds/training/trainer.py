@@ -23,7 +23,14 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..config import Glm53Config
-from ..engine import build_engine, export_engine_to_hf, init_distributed, load_checkpoint, save_checkpoint
+from ..engine import (
+    build_engine,
+    close_distributed,
+    export_engine_to_hf,
+    init_distributed,
+    load_checkpoint,
+    save_checkpoint,
+)
 from ..engine.build import describe_param_groups, set_learning_rate
 from ..engine.checkpoint import check_checkpoint_fits, layout_record, verify_checkpoint
 from ..hf_loader import SafetensorsCheckpoint, checkpoint_has_mtp, load_hf_state_into
@@ -434,12 +441,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         last = Trainer(TrainConfig.from_args(args)).run()
+        if dist.is_initialized() and dist.get_rank() == 0 and last:
+            print("final: " + format_record(last))
+        return 0
     except SetupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except TrainingStopped as e:
         print(f"\nerror: {e}", file=sys.stderr)  # after the progress bar's line
         return 3
-    if dist.is_initialized() and dist.get_rank() == 0 and last:
-        print("final: " + format_record(last))
-    return 0
+    finally:  # every rank reaches here together: refusals and stops are decided on all ranks alike
+        close_distributed()
