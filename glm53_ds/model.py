@@ -99,11 +99,6 @@ class Glm53Model(nn.Module):
         self.config = config
         self.glm = cfg
         self.sequence = SequenceParallel.of(pg_collection)  # None without sequence parallelism
-        if self.sequence is not None and config.moe_seq_aux_loss_coef > 0:
-            raise ValueError(
-                f"moe_seq_aux_loss_coef = {config.moe_seq_aux_loss_coef} with sequence parallelism (SP = "
-                f"{self.sequence.size}): the per-sequence MoE auxiliary loss is not supported under SP; set it to 0"
-            )
         self.embedding = VocabParallelEmbedding(
             cfg.vocab_size, cfg.hidden_size, init_method=config.init_method, config=config
         )

@@ -423,6 +423,7 @@ def bf16_keeps_fp32(ckpt: str, ep: int, etp: int, save_dir: str) -> dict[str, An
 
 
 # ----------------------------------------------------------------------------- sequence parallelism
+SP_AUX_COEF = 0.1  # large enough that the balance loss moves the gradients measurably
 SP_SEQ = 32  # divisible by SP = 2 and 4; > index_topk, so the DSA selection is sparse
 SP_DOCS = [
     0,
@@ -453,6 +454,7 @@ def sp_parity(ckpt: str, sp: int, dtype: str = "float32") -> dict[str, Any]:
     Gradients of a shard are summed over the SP group (what the engine's reduction does)."""
     import glm53_ds
     from glm53_ds.layers.documents import Documents
+    from glm53_ds.layers.moe import Glm53MoE
     from glm53_ds.model import Glm53Model
     from glm53_ds.parallel.sequence import SequenceParallel
     from glm53_ds.transformer_config import make_transformer_config
@@ -469,6 +471,9 @@ def sp_parity(ckpt: str, sp: int, dtype: str = "float32") -> dict[str, Any]:
         torch.set_default_dtype(torch.float64)
     group = layout.sp_group
     out: dict[str, Any] = {}
+    moe_sp = [m for m in model.modules() if isinstance(m, Glm53MoE)]
+    for m in moe_sp + [m for m in ref.modules() if isinstance(m, Glm53MoE)]:
+        m.seq_aux_loss_coef = SP_AUX_COEF  # the sequence-wise balance loss joins the whole-model comparison
 
     def grad_err(scale: float = 1.0) -> float:
         worst = 0.0
@@ -534,6 +539,8 @@ def sp_parity(ckpt: str, sp: int, dtype: str = "float32") -> dict[str, Any]:
         p_ref.total.backward()
         p_sp.total.backward()
         out[f"{case}_lm_loss"] = rel_err(_sum_over(p_sp.lm, group), p_ref.lm)
+        assert p_ref.aux is not None and p_sp.aux is not None
+        out[f"{case}_aux_loss"] = rel_err(_sum_over(p_sp.aux, group), p_ref.aux)
         if p_ref.mtp is not None:
             out[f"{case}_mtp_loss"] = rel_err(_sum_over(p_sp.mtp, group), p_ref.mtp)
         out[f"{case}_grad"] = grad_err()
@@ -545,6 +552,14 @@ def sp_parity(ckpt: str, sp: int, dtype: str = "float32") -> dict[str, Any]:
             with torch.no_grad():
                 shard_only = _sum_over(model(ids, labels=cut, return_parts=True).lm, group)
             out["control_local_targets_loss"] = rel_err(shard_only, p_ref.lm)
+            # control: the balance loss from each shard's own routing counts (no sum over the SP group)
+            for m in moe_sp:
+                m.sequence = None
+            with torch.no_grad():
+                local_aux = model(ids, labels=labels, return_parts=True).aux
+            for m in moe_sp:
+                m.sequence = sequence
+            out["control_local_aux_loss"] = rel_err(_sum_over(local_aux, group), p_ref.aux)
         counts = _sum_over(model.count_targets(labels, cu_seqlens=cu), group)
         out[f"{case}_counts_equal"] = bool(torch.equal(counts, ref.count_targets(labels, cu_seqlens=cu)))
         model.eval(), ref.eval()
@@ -565,6 +580,12 @@ def sp_parity(ckpt: str, sp: int, dtype: str = "float32") -> dict[str, Any]:
         out["bad_length"] = "accepted"
     except ValueError as e:
         out["bad_length"] = str(e)
+    try:  # refused: the DSA indexer loss under SP
+        Glm53Model(make_transformer_config(ref.glm, torch.float32, indexer_loss_coef=1.0), mtp=False,
+                   pg_collection=layout.pg_collection)  # fmt: skip
+        out["bad_indexer_loss"] = "accepted"
+    except ValueError as e:
+        out["bad_indexer_loss"] = str(e)
     return out
 
 

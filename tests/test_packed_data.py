@@ -207,11 +207,12 @@ def test_packed_chat_resume_is_bitwise(tmp_path, capsys):
 @pytest.mark.slow
 def test_sequence_parallel_run_equals_one_process(tmp_path):
     """Packed chat rows, world 2 with --sp 2 (both ranks read the same rows, each computes half of every row) vs
-    one process with the same global batch and accumulation: the same target count, packing and per-step loss
-    (<= 1e-5) and gradient norm (<= 1e-4), over two steps; replicas checked every step. Setting --seq-length to a
-    length SP does not divide is refused before any work."""
+    one process with the same global batch and accumulation, the MoE balance loss on: the same target count,
+    packing and per-step loss (<= 1e-5) and gradient norm (<= 1e-4), over two steps; replicas checked every step.
+    Setting --seq-length to a length SP does not divide, or the indexer loss under SP, is refused before any
+    work."""
     common = ["--data", CHAT, "--pack", "--train-iters", "2", "--global-batch-size", "2", "--seed", "3",
-              "--micro-batch-size", "1", "--seq-length", "64"]  # fmt: skip
+              "--micro-batch-size", "1", "--aux-loss-coef", "0.01", "--seq-length", "64"]  # fmt: skip
     sp = deepspeed_run(
         2, *common, "--sp", "2", "--check-replicas-interval", "1", "--output-dir", str(tmp_path / "sp")
     )
@@ -221,6 +222,7 @@ def test_sequence_parallel_run_equals_one_process(tmp_path):
     for a, b in zip(metrics(tmp_path / "sp"), metrics(tmp_path / "one"), strict=True):
         assert a["target_tokens"] == b["target_tokens"] and a["packing_efficiency"] == b["packing_efficiency"]
         assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-5 * b["lm_loss"], (a, b)
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (a, b)  # with the balance loss
         assert abs(a["mtp_loss"] - b["mtp_loss"]) <= 1e-5 * b["mtp_loss"], (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"], (a, b)
     bad = deepspeed_run(2, *common[:-1], "63", "--sp", "2", "--output-dir", str(tmp_path / "bad"))
@@ -228,3 +230,10 @@ def test_sequence_parallel_run_equals_one_process(tmp_path):
         -2000:
     ]
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+    bad = deepspeed_run(
+        2, *common, "--sp", "2", "--indexer-loss-coef", "0.1", "--output-dir", str(tmp_path / "bad2")
+    )
+    assert (
+        bad.returncode == 2 and "--indexer-loss-coef 0.1: the DSA indexer loss is not supported" in bad.stderr
+    ), bad.stderr[-2000:]
+    assert not (tmp_path / "bad2" / "metrics.jsonl").exists()

@@ -1,7 +1,8 @@
 """Sequence parallelism (Ulysses) composed with EP x ETP x DP, on CPU ranks (gloo), against one process.
 
 Per module and whole model (`sp_parity`, world = SP): KDA, MLA with its DSA indexer and a shared-selection layer
-on random inputs, then the whole model's LM + MTP losses (summed over the SP group), logits of each rank's tokens,
+on random inputs, then the whole model's LM + MTP losses and the MoE sequence-wise balance loss (summed over the SP
+group), logits of each rank's tokens,
 and every gradient (summed over the SP group, as the engine reduces them), with and without packed documents
 straddling the shard boundaries; the DSA selections are compared for equality.
 Tolerances (fp32): outputs and losses <= 1e-5 relative; gradients <= 1e-4 relative to each tensor's largest entry
@@ -94,12 +95,20 @@ def test_sp_matches_one_process_per_module_and_model(tmp_path, sp_checkpoint, sp
                 assert value is True, (key, r)
             elif key.endswith(("_grad", "_param_grad", "_input_grad")):
                 assert value <= 1e-4, (key, r)
-            elif key != "bad_length":
+            elif not key.startswith("bad_"):
                 assert value <= 1e-5, (key, r)
         assert "sequence length 31 is not divisible by SP" in r["bad_length"], r
-        assert {"batch2_mtp_loss", "packed_mtp_logits", "packed_layer1_selection_equal"} <= r.keys(), r
+        assert f"indexer_loss_coef = 1.0 with sequence parallelism (SP = {sp})" in r["bad_indexer_loss"], r
+        expected = {
+            "batch2_mtp_loss",
+            "packed_mtp_logits",
+            "packed_layer1_selection_equal",
+            "packed_aux_loss",
+        }
+        assert expected <= r.keys(), r
         # controls: each would be caught. Gradients averaged over the SP group instead of summed are off by
         # 1 - 1/SP; targets of the shard alone lose the next rank's token (and, above, a rank's own tokens alone
         # select other pools)
         assert r["control_mean_grad"] >= 0.9 * (1 - 1 / sp), r
         assert r["control_local_targets_loss"] > 2e-4, r
+        assert r["control_local_aux_loss"] > 1e-2, r

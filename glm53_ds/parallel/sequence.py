@@ -6,7 +6,7 @@ for a head split and back with one all-to-all each way:
     seq_to_heads  [b, S/N, H, d] -> [b, S, H/N, d]   (rank r gets heads r*H/N ... of every token)
     heads_to_seq  [b, S, H/N, d] -> [b, S/N, H, d]   (the inverse)
 and `gather_tokens` gives every rank all S tokens of a small per-token tensor (the DSA indexer's keys, selections,
-the key-padding mask). All three are differentiable (comm.py: the backward of an all-to-all is the reverse
+the key-padding mask); `sum_counts` sums per-sequence counts over the shards (the MoE balance loss). All three are differentiable (comm.py: the backward of an all-to-all is the reverse
 all-to-all, of a gather a reduce-scatter).
 
 `SequenceParallel.of(pg_collection)` is None without SP (the layout's `pg_collection.sp` is None or absent, as in
@@ -71,6 +71,12 @@ class SequenceParallel:
         send = x.transpose(0, 1).reshape(n * s, b, hn, d)  # rows for rank j: its tokens of my heads
         received = all_to_all(send, [s] * n, [s] * n, self.group)  # [n (head group), s, b, h/n, d]
         return received.reshape(n, s, b, hn, d).permute(2, 1, 0, 3, 4).reshape(b, s, n * hn, d)
+
+    def sum_counts(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the SP group (no gradient: for counts, such as the tokens routed to each expert)."""
+        total = x.detach().clone()
+        dist.all_reduce(total, group=self.group)
+        return total
 
     def gather_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """[b, s, ...] of every rank -> [b, S, ...] in token order (backward: each rank's part of the summed

@@ -175,11 +175,10 @@ class Trainer:
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         try:
             validate_layout(self.world, c.ep, c.etp, cfg, sp=c.sp, seq_length=c.seq_length)
-            if c.sp > 1 and (c.aux_loss_coef > 0 or c.indexer_loss_coef > 0):
+            if c.sp > 1 and c.indexer_loss_coef > 0:
                 raise ValueError(
-                    f"--aux-loss-coef {c.aux_loss_coef} --indexer-loss-coef {c.indexer_loss_coef}: the per-sequence "
-                    "MoE auxiliary loss and the DSA indexer loss are not supported under sequence parallelism; "
-                    "set both to 0"
+                    f"--indexer-loss-coef {c.indexer_loss_coef}: the DSA indexer loss is not supported under "
+                    "sequence parallelism; set it to 0"
                 )
         except ValueError as e:
             raise SetupError(f"--ep {c.ep} --etp {c.etp} --sp {c.sp}: {e}") from e

@@ -14,6 +14,7 @@ from torch import nn
 
 from ...parallel.expert_shard import ExpertShard
 from ...parallel.moe_dispatch import ExpertParallelDispatch
+from ...parallel.sequence import SequenceParallel
 from ...transformer_config import Glm53TransformerConfig
 from .experts import GroupedExperts
 from .router import TopKRouter
@@ -63,6 +64,8 @@ class Glm53MoE(nn.Module):
         self.last_expert_load: torch.Tensor | None = None
         self.seq_aux_loss_coef = float(getattr(config, "moe_seq_aux_loss_coef", 0.0))
         self.aux_loss: torch.Tensor | None = None
+        # under SP the balance loss's routing counts span the whole sequence (summed over the SP group)
+        self.sequence = SequenceParallel.of(pg_collection)
         self.register_buffer(
             "expert_load", torch.zeros(cfg.n_routed_experts, dtype=torch.float32), persistent=False
         )
@@ -91,11 +94,16 @@ class Glm53MoE(nn.Module):
         self, scores: torch.Tensor, expert_ids: torch.Tensor, s_b: torch.Size
     ) -> torch.Tensor:
         """DeepSeek-V3 sequence-wise balance loss: coef * mean_b sum_e f_{b,e} P_{b,e}, with
-        f = E / (k s) * (tokens of sequence b routed to e), P = mean over the sequence of normalised scores."""
+        f = E / (k S) * (tokens of sequence b routed to e), P = mean over the sequence of normalised scores.
+
+        Under SP this rank holds s = S/N tokens of each sequence: f comes from the counts summed over the SP group
+        (no gradient, as at SP = 1), P from this shard's scores over the whole length S. The shards' losses then
+        add up to the whole sequence's loss, and their gradients too (the engine sums gradients over SP)."""
         s, b = s_b
         e, k = scores.shape[-1], expert_ids.shape[-1]
+        length = s * (self.sequence.size if self.sequence is not None else 1)  # S
         probs = scores / scores.sum(-1, keepdim=True)  # [T, E]
-        p = probs.view(s, b, e).mean(0)  # [b, E]
+        p = probs.view(s, b, e).sum(0) / length  # [b, E]: this shard's part of the mean over S
         counts = torch.zeros(b, e, device=scores.device, dtype=scores.dtype)
         seq = torch.arange(b, device=scores.device).repeat(s)[:, None].expand(-1, k)  # token t = (i, j) -> j
         counts.index_put_(
@@ -103,5 +111,7 @@ class Glm53MoE(nn.Module):
             torch.ones_like(expert_ids, dtype=scores.dtype).reshape(-1),
             accumulate=True,
         )
-        f = counts * (e / (k * s))
+        if self.sequence is not None:
+            counts = self.sequence.sum_counts(counts)
+        f = counts * (e / (k * length))
         return self.seq_aux_loss_coef * (f * p).sum(-1).mean()
