@@ -6,8 +6,9 @@ for a head split and back with one all-to-all each way:
     seq_to_heads  [b, S/N, H, d] -> [b, S, H/N, d]   (rank r gets heads r*H/N ... of every token)
     heads_to_seq  [b, S, H/N, d] -> [b, S/N, H, d]   (the inverse)
 and `gather_tokens` gives every rank all S tokens of a small per-token tensor (the DSA indexer's keys, selections,
-the key-padding mask); `sum_counts` sums per-sequence counts over the shards (the MoE balance loss). All three are differentiable (comm.py: the backward of an all-to-all is the reverse
-all-to-all, of a gather a reduce-scatter).
+the key-padding mask). All three are differentiable (comm.py: the backward of an all-to-all is the reverse
+all-to-all, of a gather a reduce-scatter). `sum_counts` adds up per-sequence counts over the shards, without
+gradient (the MoE balance loss's routing counts).
 
 `SequenceParallel.of(pg_collection)` is None without SP (the layout's `pg_collection.sp` is None or absent, as in
 a stock megatron `ProcessGroupCollection`), so every caller keeps its plain path at SP = 1.
