@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 
-from glm53_ds.engine.checkpoint import CheckpointError, check_checkpoint_fits
+from glm53_ds.engine.checkpoint import CheckpointError, check_checkpoint_fits, spread
 from glm53_ds.training.presets import preset
 from tests.test_train import ROOT, deepspeed_run, metrics
 
@@ -34,6 +34,15 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
+def test_optimizer_state_writing_is_spread_evenly_and_alike_on_every_rank():
+    sizes = [1000, 700, 400, 300, 300, 200, 100] + [10] * 30
+    owners = spread(sizes, 4)
+    load = [sum(s for s, o in zip(sizes, owners, strict=True) if o == w) for w in range(4)]
+    assert load[0] == 1000 and max(load[1:]) - min(load[1:]) <= 10, load  # the largest alone, the rest level
+    assert spread(sizes, 4) == owners and spread(sizes, 1) == [0] * len(sizes)
+    assert sorted(set(spread([5, 5], 8))) == [0, 1]  # more writers than tensors: the others write nothing
+
+
 @pytest.mark.slow
 def test_resume_at_other_world_sizes_ep_etp_and_zero_stages(tmp_path):
     common = ["--train-iters", "6", "--global-batch-size", "8", "--micro-batch-size", "2", "--seed", "5"]
@@ -42,6 +51,12 @@ def test_resume_at_other_world_sizes_ep_etp_and_zero_stages(tmp_path):
                          "--save", str(ckpt), "--save-interval", "3", "--output-dir", str(tmp_path / "full"))  # fmt: skip
     assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
     reference = {r["step"]: r["lm_loss"] for r in metrics(tmp_path / "full")}
+    # the replicated optimizer state was written by all four ranks, in shares of the bytes
+    written: dict[str, int] = {}
+    for f in (ckpt / "step3" / "glm53").glob("optimizer_replicated-rank*.safetensors"):
+        rank = f.name.split("-")[1]
+        written[rank] = written.get(rank, 0) + f.stat().st_size
+    assert len(written) == 4 and max(written.values()) < 0.5 * sum(written.values()), written
     load = ["--load", str(ckpt), "--load-tag", "step3"]
     for name, ranks, args in [
         ("world2_ep2", 2, ["--ep", "2", "--deepspeed_config", _ds_config(tmp_path, 2)]),

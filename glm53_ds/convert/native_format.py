@@ -30,12 +30,22 @@ def expert_set_name(ep_rank: int, etp_rank: int) -> str:
 
 
 class ShardWriter:
-    """Write tensors into `<name>-NNNNN.safetensors` files of at most `max_bytes` (one tensor may exceed it)."""
+    """Write tensors into `<name>-NNNNN.safetensors` files of at most `max_bytes` (one tensor may exceed it).
+
+    Several writers (e.g. ranks) can fill one set together: each gets its own `file_stem` (files
+    `<file_stem>-NNNNN.safetensors`) and ends with `finish()`, and one of them writes the set's index from all the
+    parts (`write_index`)."""
 
     def __init__(
-        self, directory: str, name: str, max_bytes: int = DEFAULT_SHARD_BYTES, index_file: str | None = None
+        self,
+        directory: str,
+        name: str,
+        max_bytes: int = DEFAULT_SHARD_BYTES,
+        index_file: str | None = None,
+        file_stem: str | None = None,
     ) -> None:
         self.directory, self.name, self.max_bytes = directory, name, max_bytes
+        self.file_stem = file_stem or name
         self.index_file = index_file or f"{name}.index.json"
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
@@ -52,26 +62,33 @@ class ShardWriter:
         self._sizes.append(nbytes)
 
     def _flush(self) -> None:
-        file = f"{self.name}-{len(self._files) + 1:05d}.safetensors"
+        file = f"{self.file_stem}-{len(self._files) + 1:05d}.safetensors"
         tmp = os.path.join(self.directory, f".{file}.tmp{os.getpid()}")
         save_file(self._pending, tmp, metadata={"format": "pt"})
         os.replace(tmp, os.path.join(self.directory, file))
         self._files.append((file, list(self._pending)))
         self._pending, self._pending_bytes = {}, 0
 
-    def close(self) -> None:
+    def finish(self) -> tuple[dict[str, str], int]:
+        """Write what is pending; this writer's part of the set: (key -> file, bytes)."""
         if self._pending or not self._files:
             self._flush()
-        total = sum(t for t in self._sizes)
-        index = {
-            "metadata": {"total_size": total},
-            "weight_map": {k: f for f, keys in self._files for k in keys},
-        }
-        path = os.path.join(self.directory, self.index_file)
-        tmp = path + f".tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(index, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        return {k: f for f, keys in self._files for k in keys}, sum(self._sizes)
+
+    def close(self) -> None:
+        """`finish`, then the set's index (a set written by this writer alone)."""
+        write_index(self.directory, self.index_file, [self.finish()])
+
+
+def write_index(directory: str, index_file: str, parts: list[tuple[dict[str, str], int]]) -> None:
+    """A set's index from its writers' parts (`ShardWriter.finish`), written last, under a temporary name."""
+    weight_map = {k: f for part, _ in parts for k, f in part.items()}
+    index = {"metadata": {"total_size": sum(n for _, n in parts)}, "weight_map": weight_map}
+    path = os.path.join(directory, index_file)
+    tmp = path + f".tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
 
 
 class ShardReader:

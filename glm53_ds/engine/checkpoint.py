@@ -8,9 +8,13 @@ sharing that ETP rank are not in it (the test shows it). Under `<dir>/<tag>/glm5
 
     replicated.*                          every non-expert tensor (written by global rank 0)
     experts_ep<EEE>_etp<TTT>.*            one expert shard (written by expert-data-parallel rank 0 of it)
+    optimizer_replicated.*                the layout-free optimizer state (fp32 masters, Adam moments) of every
+    optimizer_experts_ep<EEE>_etp<TTT>.*  non-expert tensor / of one expert shard, keyed by native name; the files
+                                          written by many ranks (`<set>-rank<R>-NNNNN`), one index per set
     optimizer_rank<RRRRR>.pt              stage 0 only: each rank's optimizer state (DeepSpeed saves one copy
                                           per ETP rank, which is wrong for expert moments under EP)
-    layout.json                           format, EP, ETP, config
+    client_state.pt                       the trainer's step, data position and RNG (rank 0)
+    layout.json                           format, world size, EP, ETP, SP, ZeRO stage, dtype, config
     fp32_params_optimizer.pt              bf16 runs: the optimizer state of HF's fp32-kept parameters (rank 0)
 
 In bf16 runs the parameters HF keeps in fp32 are fp32 buffers the engine never casts (`fp32_params.py`), so
@@ -41,7 +45,14 @@ import torch.distributed as dist
 
 from ..config import Glm53Config
 from ..convert.export_hf import native_to_hf
-from ..convert.native_format import ShardReader, ShardWriter, expert_set_name, read_layout, write_layout
+from ..convert.native_format import (
+    ShardReader,
+    ShardWriter,
+    expert_set_name,
+    read_layout,
+    write_index,
+    write_layout,
+)
 from ..parallel.expert_shard import ExpertShard, expert_tensor_kind
 from ..parallel.layout import ParallelLayout
 from ..parallel.params import is_expert_param
@@ -151,31 +162,57 @@ def _optimizers(trained: list[tuple[str, torch.Tensor, ParamOptimizerState]]) ->
     return list({id(a): a for _, _, a in trained}.values())
 
 
+def spread(sizes: Sequence[int], writers: int) -> list[int]:
+    """Which of `writers` writes each tensor: the largest first, each to the writer with the fewest bytes so far
+    (ties: the lower index), so that each writes about 1/writers of the bytes. The same answer on every rank."""
+    load, owner = [0] * writers, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        owner[i] = min(range(writers), key=lambda w: (load[w], w))
+        load[owner[i]] += sizes[i]
+    return owner
+
+
 def _write_portable_optimizer(engine: Any, layout: ParallelLayout, root: str) -> int:
     """The layout-free optimizer state: per trained tensor, keyed by its native name, `<name>:exp_avg`,
     `<name>:exp_avg_sq` and, where the model holds it in another dtype, `<name>:master` (fp32), in the model's
-    sets (`optimizer_replicated` by global rank 0, `optimizer_experts_ep<E>_etp<T>` by each shard's expert-DP rank
-    0; expert tensors hold the shard's local experts, as the model's). Collective; returns the step count."""
-    expert_writer = dist.get_rank(layout.expert_dp_group) == 0
-    writers = {
-        False: ShardWriter(root, f"optimizer_{REPLICATED}") if layout.rank == 0 else None,
-        True: ShardWriter(root, f"optimizer_{expert_set_name(layout.ep_rank, layout.etp_rank)}")
-        if expert_writer
-        else None,
-    }
+    sets: `optimizer_replicated`, and `optimizer_experts_ep<E>_etp<T>` holding the shard's local experts as the
+    model's tensors do. Every rank holding a tensor's state gets it whole (`ParamOptimizerState.get`), so the
+    writing is spread: the replicated tensors over all ranks, a shard's over its expert-DP group (`spread`), each
+    rank into files of its own (`<set>-rank<R>-NNNNN.safetensors`); global rank 0 writes each set's index from
+    the parts. Collective; returns the step count."""
     trained = _trained(engine)
-    for name, tensor, access in trained:
+    group = {False: (layout.world_size, layout.rank),
+             True: (dist.get_world_size(layout.expert_dp_group), dist.get_rank(layout.expert_dp_group))}  # fmt: skip
+    set_name = {False: f"optimizer_{REPLICATED}",
+                True: f"optimizer_{expert_set_name(layout.ep_rank, layout.etp_rank)}"}  # fmt: skip
+    mine: set[int] = set()  # indices into `trained` this rank writes
+    for expert in (False, True):
+        members = [i for i, (_, t, _) in enumerate(trained) if is_expert_param(t) == expert]
+        size, rank = group[expert]
+        owners = spread([trained[i][1].numel() for i in members], size)
+        mine |= {i for i, owner in zip(members, owners, strict=True) if owner == rank}
+    writers: dict[bool, ShardWriter] = {}
+    for i, (name, tensor, access) in enumerate(trained):
         values = access.get(tensor)  # collective under ZeRO
-        writer = writers[is_expert_param(tensor)]
-        if writer is None:
+        if i not in mine:
             continue
+        expert = is_expert_param(tensor)
+        if expert not in writers:
+            writers[expert] = ShardWriter(
+                root, set_name[expert], file_stem=f"{set_name[expert]}-rank{layout.rank:05d}"
+            )
+        writer = writers[expert]
         for key in ADAM_MOMENTS:
             writer.add(f"{name}:{key}", values[key])
         if tensor.dtype != torch.float32:
             writer.add(f"{name}:master", values["master"])
-    for writer in writers.values():
-        if writer is not None:
-            writer.close()
+    parts = _gather({set_name[expert]: w.finish() for expert, w in writers.items()})
+    if layout.rank == 0:
+        names = [f"optimizer_{REPLICATED}"] + [
+            f"optimizer_{expert_set_name(e, t)}" for e in range(layout.ep) for t in range(layout.etp)
+        ]
+        for name in names:  # every set indexed, an expert-less model's empty ones too
+            write_index(root, f"{name}.index.json", [p[name] for p in parts if name in p])
     step = max((a.step() for a in _optimizers(trained)), default=0)
     return int(_from_rank0(step))
 
