@@ -598,11 +598,29 @@ def sp_suite(ckpt: str, ep: int, etp: int, sp: int, cases: list[dict[str, Any]])
 def portable_checkpoint(ckpt: str, ep: int, etp: int, phase: str, save_dir: str, stages: list[int]) -> dict:
     """bf16 engines. phase "save": two AdamW steps, then a checkpoint (tag "a"). phase "load": for each ZeRO stage
     in `stages`, a fresh engine at this layout loads tag "a" (another layout: the layout-free path) and saves it
-    again as tag "b_stage<S>" in its own directory, so the test can compare what went in with what came out."""
+    again as tag "b_stage<S>" in its own directory, so the test can compare what went in with what came out.
+    Loading counts the bytes of replicated optimizer state this rank reads (`replicated_state_read_<S>`, a
+    fraction of the stored whole)."""
+    import math
+    import os
+
+    from glm53_ds.convert.native_format import ShardReader
+    from glm53_ds.convert.safetensors_file import SafetensorsSet
     from glm53_ds.engine import load_checkpoint, save_checkpoint
+    from glm53_ds.parallel.expert_shard import expert_tensor_kind
 
     layout = _setup(ep, etp)
     out: dict[str, Any] = {}
+    read_bytes = [0]
+    real_read = SafetensorsSet.read
+
+    def counting_read(self, name, index=()):  # type: ignore[no-untyped-def]
+        t = real_read(self, name, index)
+        if ":" in name and expert_tensor_kind(name.split(":")[0]) is None:  # replicated optimizer state
+            read_bytes[0] += t.numel() * t.element_size()
+        return t
+
+    SafetensorsSet.read = counting_read  # type: ignore[method-assign]
     for stage in stages if phase == "load" else [2]:
         _, model = _models(
             ckpt, layout, torch.float32
@@ -618,7 +636,11 @@ def portable_checkpoint(ckpt: str, ep: int, etp: int, phase: str, save_dir: str,
                 engine.step()
             save_checkpoint(engine, save_dir, "a", client_state={"step": 2})
         else:
+            read_bytes[0] = 0
             client = load_checkpoint(engine, save_dir, "a")
+            stored = ShardReader(os.path.join(save_dir, "a", "glm53"), "optimizer_replicated")
+            whole = sum(4 * math.prod(stored.shape(k)) for k in stored.keys())  # fp32 masters and moments
+            out[f"replicated_state_read_{stage}"] = read_bytes[0] / whole
             out[f"client_step_{stage}"] = client.get("step")
             save_checkpoint(engine, f"{save_dir}_stage{stage}", "b", client_state=client)
     return out

@@ -138,7 +138,7 @@ def test_bf16_masters_and_moments_survive_a_layout_change_exactly(tmp_path):
     """Saved by a bf16 ZeRO-2 engine at world 4 EP2 x ETP2 after two AdamW steps; loaded by bf16 engines at world 2
     EP2 under ZeRO-1 and under the stage-0 bf16 optimizer, which save again: every fp32 master, Adam moment, model
     tensor (bf16) and fp32-kept parameter comes out bitwise as it went in (the masters read back through
-    DeepSpeed's own partitions)."""
+    DeepSpeed's own partitions). Under ZeRO each rank reads only its part of the replicated optimizer state."""
     from glm53_ds.config import Glm53Config
     from glm53_ds.engine.checkpoint import _StoredSets
     from glm53_ds.parallel.expert_shard import ExpertShard
@@ -157,6 +157,10 @@ def test_bf16_masters_and_moments_survive_a_layout_change_exactly(tmp_path):
         and loaded[0]["optimizer_0"] == "FP16_UnfusedOptimizer"
     )
     assert all(r["client_step_1"] == r["client_step_0"] == 2 for r in loaded)
+    # ZeRO-1 over two data-parallel ranks: each reads only the rows of its half of the replicated optimizer state
+    # (plus the rows a fragment boundary cuts); stage 0 holds it whole, so reads it whole (the control)
+    for r in loaded:
+        assert r["replicated_state_read_1"] <= 0.6 and r["replicated_state_read_0"] == 1.0, r
 
     cfg = Glm53Config.from_hf(str(hf))
     whole = ExpertShard.for_config(cfg)  # EP = ETP = 1: every expert whole

@@ -109,6 +109,9 @@ class ShardReader:
     def get(self, key: str) -> torch.Tensor:
         return self.files.read(key)
 
+    def shape(self, key: str) -> list[int]:
+        return self.files.shape(key)
+
     def get_slice(self, key: str, index: tuple) -> torch.Tensor:
         """`tensor[index]`, reading only the leading-dimension rows the index touches."""
         return self.files.read(key, index)

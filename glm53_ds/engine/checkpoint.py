@@ -33,6 +33,7 @@ state.
 from __future__ import annotations
 
 import glob
+import math
 import os
 import shutil
 import uuid
@@ -379,6 +380,21 @@ class _StoredSets:
             lambda e, t, index: self._reader(f"{prefix}{expert_set_name(e, t)}").get_slice(key, index),
         )
 
+    def read_part(self, name: str, key: str, part: tuple[int, int] | None, prefix: str = "") -> torch.Tensor:
+        """`read`, but of a replicated tensor only the rows that hold the flattened range `part` = (start, numel),
+        in a tensor of the whole shape (zeros elsewhere). Whole when `part` is None, for expert tensors (each rank
+        reads its own shard already) and for scalars."""
+        reader = self._reader(f"{prefix}{REPLICATED}")
+        if part is None or expert_tensor_kind(name) is not None or not reader.shape(key):
+            return self.read(name, key, prefix)
+        shape, (start, numel) = reader.shape(key), part
+        row = math.prod(shape[1:])  # elements per leading-dimension row
+        first, end = start // row, -(-(start + numel) // row)
+        rows = reader.get_slice(key, (slice(first, end),)) if numel else torch.zeros(0)
+        out = torch.zeros(shape, dtype=rows.dtype if numel else torch.float32)
+        out.view(-1)[first * row : first * row + rows.numel()] = rows.reshape(-1)
+        return out
+
 
 def load_checkpoint(
     engine: Any, load_dir: str, tag: str | None = None, verify: bool = True, model_only: bool = False
@@ -465,15 +481,23 @@ def _load_portable_optimizer(engine: Any, sets: _StoredSets, step: int) -> None:
         access.prepare(step)
     keys = sets.keys("optimizer_")
     for name, tensor, access in trained:
+        part = access.fragment(tensor)  # under ZeRO: read only the rows of this rank's part of the state
         values = {}
         for key in ADAM_MOMENTS:
             if f"{name}:{key}" not in keys:
                 raise CheckpointError(f"{sets.root}: no optimizer state {key} for {name}")
-            values[key] = sets.read(name, f"{name}:{key}", prefix="optimizer_")
+            values[key] = sets.read_part(name, f"{name}:{key}", part, prefix="optimizer_")
+        weight = sets.read(name, name)  # the model's value as saved
         master = f"{name}:master"
-        values["master"] = (
-            sets.read(name, master, prefix="optimizer_") if master in keys else sets.read(name, name)
-        ).float()
+        if (
+            master in keys and weight.dtype == tensor.dtype
+        ):  # bf16 weights: the saved one is the master rounded
+            values["master"] = sets.read_part(name, master, part, prefix="optimizer_")
+            values["weight"] = weight
+        elif master in keys:  # bf16 saved, fp32 here: the parameter is the master, whole
+            values["master"] = sets.read(name, master, prefix="optimizer_")
+        else:
+            values["master"] = weight.float()
         access.set(tensor, values)
 
 

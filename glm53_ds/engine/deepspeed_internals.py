@@ -96,6 +96,8 @@ PATCHED_SYMBOLS = (
     PatchedSymbol("DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state", "called",
                   "after a layout change: link each parameter's fragments to the Adam state made for it (also BF16_Optimizer)"),
     PatchedSymbol("DeepSpeedZeroOptimizer._hp_optimizer_states_linked", "written", "reset so that the link above runs"),
+    PatchedSymbol("deepspeed.utils.tensor_fragment.tensor_fragment.lp_fragment_address", "read",
+                  "a parameter's `_hp_mapping`: the part of its state this rank holds, so that a load reads only that"),
     PatchedSymbol("FP16_UnfusedOptimizer.fp16_groups", "read", "stage-0 bf16: parameter -> its fp32 copy"),
     PatchedSymbol("FP16_UnfusedOptimizer.fp32_groups", "read", "the fp32 copies (the masters)"),
 )  # fmt: skip
@@ -385,6 +387,17 @@ class ParamOptimizerState:
             out[key] = state[key].detach().float() if key in state else torch.zeros_like(out["master"])
         return {k: v.cpu() for k, v in out.items()}
 
+    def fragment(self, param: torch.Tensor) -> tuple[int, int] | None:
+        """(start, numel): the part of the flattened parameter whose fp32 master and moments this rank holds, when
+        it holds a part (ZeRO-1/2, BF16_Optimizer; numel 0 for none); None when it holds them whole."""
+        if self.kind != "partitioned":
+            return None
+        mapping = getattr(param, "_hp_mapping", None)
+        if mapping is None:
+            return 0, 0
+        address = mapping.lp_fragment_address
+        return int(address.start), int(address.numel)
+
     def prepare(self, step: int) -> None:
         """Before `set`: give every parameter an Adam state at `step` (DeepSpeed creates it lazily at the first
         step, and ZeRO links each parameter's fragments to it only then)."""
@@ -403,11 +416,11 @@ class ParamOptimizerState:
         self.optimizer._lazy_init_hp_params_optimizer_state()
 
     def set(self, param: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
-        """Write a whole parameter's fp32 master and moments (this rank keeps its own fragment); the parameter
-        itself becomes the master in its dtype."""
+        """Write a parameter's fp32 master and moments, whole-shaped; only the `fragment` part is read where there
+        is one. The parameter takes `values["weight"]` (its value in its own dtype) when given, else the master."""
         master = values["master"]
         with torch.no_grad():
-            param.copy_(master.to(param.device, param.dtype))
+            param.copy_(values.get("weight", master).to(param.device, param.dtype))
         if self.kind == "partitioned":
             safe_set_full_fp32_param(param, master.to(param.device))
             for key in ADAM_MOMENTS:
