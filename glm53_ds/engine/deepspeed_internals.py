@@ -371,7 +371,8 @@ class ParamOptimizerState:
         return int(max(steps)) if steps else 0
 
     def get(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        """fp32 {"master", "exp_avg", "exp_avg_sq"} of the whole parameter (zeros before the first step)."""
+        """fp32 {"master", "exp_avg", "exp_avg_sq"} of the whole parameter (zeros before the first step), on the
+        parameter's device: only the rank that writes a tensor copies it to the host."""
         if self.kind == "partitioned":
             if not self._inner().state:  # no step yet: nothing linked
                 zeros = torch.zeros_like(param, dtype=torch.float32)
@@ -379,13 +380,13 @@ class ParamOptimizerState:
             out = {"master": safe_get_full_fp32_param(param)}
             for key in ADAM_MOMENTS:
                 out[key] = safe_get_full_optimizer_state(param, key)
-            return {k: v.detach().float().cpu() for k, v in out.items()}
+            return {k: v.detach().float() for k, v in out.items()}
         holder = self._copy[id(param)] if self.kind == "fp32_copies" else param
         state = self._inner().state.get(holder, {})
         out = {"master": holder.detach().float()}
         for key in ADAM_MOMENTS:
             out[key] = state[key].detach().float() if key in state else torch.zeros_like(out["master"])
-        return {k: v.cpu() for k, v in out.items()}
+        return out
 
     def fragment(self, param: torch.Tensor) -> tuple[int, int] | None:
         """(start, numel): the part of the flattened parameter whose fp32 master and moments this rank holds, when
