@@ -382,10 +382,13 @@ class _StoredSets:
 
     def read_part(self, name: str, key: str, part: tuple[int, int] | None, prefix: str = "") -> torch.Tensor:
         """`read`, but of a replicated tensor only the rows that hold the flattened range `part` = (start, numel),
-        in a tensor of the whole shape (zeros elsewhere). Whole when `part` is None, for expert tensors (each rank
-        reads its own shard already) and for scalars."""
+        in a tensor of the whole shape (zeros elsewhere). Whole when `part` is None and for scalars."""
+        if part is None:
+            return self.read(name, key, prefix)
+        if expert_tensor_kind(name) is not None:
+            raise ValueError(f"{name}: an expert tensor is read as this rank's shard (read), not by range")
         reader = self._reader(f"{prefix}{REPLICATED}")
-        if part is None or expert_tensor_kind(name) is not None or not reader.shape(key):
+        if not reader.shape(key):
             return self.read(name, key, prefix)
         shape, (start, numel) = reader.shape(key), part
         row = math.prod(shape[1:])  # elements per leading-dimension row
@@ -481,23 +484,26 @@ def _load_portable_optimizer(engine: Any, sets: _StoredSets, step: int) -> None:
         access.prepare(step)
     keys = sets.keys("optimizer_")
     for name, tensor, access in trained:
-        part = access.fragment(tensor)  # under ZeRO: read only the rows of this rank's part of the state
+        # under ZeRO, of a replicated tensor: only the rows of this rank's part of the state
+        part = access.fragment(tensor) if expert_tensor_kind(name) is None else None
         values = {}
         for key in ADAM_MOMENTS:
             if f"{name}:{key}" not in keys:
                 raise CheckpointError(f"{sets.root}: no optimizer state {key} for {name}")
             values[key] = sets.read_part(name, f"{name}:{key}", part, prefix="optimizer_")
-        weight = sets.read(name, name)  # the model's value as saved
         master = f"{name}:master"
-        if (
-            master in keys and weight.dtype == tensor.dtype
-        ):  # bf16 weights: the saved one is the master rounded
+        if master not in keys:  # saved in fp32: the model's value is the master
+            values["master"] = sets.read(name, name).float()
+            access.set(tensor, values)
+            continue
+        # saved in bf16: the parameter's value is the saved weight (the master rounded) when this rank holds
+        # only part of the master and the parameter is bf16 too; otherwise the master, whole
+        weight = sets.read(name, name) if part is not None else None
+        if weight is not None and weight.dtype == tensor.dtype:
             values["master"] = sets.read_part(name, master, part, prefix="optimizer_")
             values["weight"] = weight
-        elif master in keys:  # bf16 saved, fp32 here: the parameter is the master, whole
-            values["master"] = sets.read(name, master, prefix="optimizer_")
         else:
-            values["master"] = weight.float()
+            values["master"] = sets.read(name, master, prefix="optimizer_")
         access.set(tensor, values)
 
 
