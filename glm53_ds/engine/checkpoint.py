@@ -388,9 +388,9 @@ class _StoredSets:
         if expert_tensor_kind(name) is not None:
             raise ValueError(f"{name}: an expert tensor is read as this rank's shard (read), not by range")
         reader = self._reader(f"{prefix}{REPLICATED}")
-        if not reader.shape(key):
-            return self.read(name, key, prefix)
         shape, (start, numel) = reader.shape(key), part
+        if not shape:
+            return self.read(name, key, prefix)
         row = math.prod(shape[1:])  # elements per leading-dimension row
         first, end = start // row, -(-(start + numel) // row)
         rows = reader.get_slice(key, (slice(first, end),)) if numel else torch.zeros(0)
@@ -446,6 +446,7 @@ def load_checkpoint(
         raise CheckpointError(
             f"{root}: checkpoint does not match the model: missing {missing[:10]}, unexpected {unexpected[:10]}"
         )
+    saved_dtypes = {}  # what each tensor was saved in (the portable optimizer load below needs it)
     with torch.no_grad():
         for name, target in current.items():
             tensor = sets.read(name, name)
@@ -454,10 +455,11 @@ def load_checkpoint(
                     f"{root}: {name} has shape {tuple(tensor.shape)}, the model {tuple(target.shape)}"
                 )
             target.copy_(tensor)
+            saved_dtypes[name] = tensor.dtype
 
     side = getattr(engine, "glm53_fp32_params", None)
     if portable:
-        _load_portable_optimizer(engine, sets, int(meta["optimizer_state"]["step"]))
+        _load_portable_optimizer(engine, sets, int(meta["optimizer_state"]["step"]), saved_dtypes)
         with weights_only_loads():
             client_state = torch.load(os.path.join(root, CLIENT_STATE), map_location="cpu", weights_only=True)
     elif not model_only:
@@ -476,9 +478,12 @@ def load_checkpoint(
     return client_state or {}
 
 
-def _load_portable_optimizer(engine: Any, sets: _StoredSets, step: int) -> None:
+def _load_portable_optimizer(
+    engine: Any, sets: _StoredSets, step: int, saved_dtypes: dict[str, torch.dtype]
+) -> None:
     """Every trained tensor's fp32 master (stored, or else the stored model value) and Adam moments, this rank's
-    part, into whatever optimizer holds it now; the Adam step of every state set to `step`."""
+    part, into whatever optimizer holds it now; the Adam step of every state set to `step`. The model's tensors
+    are loaded already (`saved_dtypes`: the dtype each was saved in)."""
     trained = _trained(engine)
     for access in _optimizers(trained):
         access.prepare(step)
@@ -496,12 +501,11 @@ def _load_portable_optimizer(engine: Any, sets: _StoredSets, step: int) -> None:
             values["master"] = sets.read(name, name).float()
             access.set(tensor, values)
             continue
-        # saved in bf16: the parameter's value is the saved weight (the master rounded) when this rank holds
-        # only part of the master and the parameter is bf16 too; otherwise the master, whole
-        weight = sets.read(name, name) if part is not None else None
-        if weight is not None and weight.dtype == tensor.dtype:
+        # saved in bf16: where this rank holds only part of the master and the parameter is bf16 too, the parameter
+        # keeps the saved weight it was loaded with (the master rounded); otherwise it is the master, read whole
+        if part is not None and saved_dtypes.get(name) == tensor.dtype:
             values["master"] = sets.read_part(name, master, part, prefix="optimizer_")
-            values["weight"] = weight
+            values["weight"] = tensor
         else:
             values["master"] = sets.read(name, master, prefix="optimizer_")
         access.set(tensor, values)

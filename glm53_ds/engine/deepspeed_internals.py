@@ -418,7 +418,8 @@ class ParamOptimizerState:
 
     def set(self, param: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
         """Write a parameter's fp32 master and moments, whole-shaped; only the `fragment` part is read where there
-        is one. The parameter takes `values["weight"]` (its value in its own dtype) when given, else the master."""
+        is one. The parameter takes `values["weight"]` (its value in its own dtype, possibly the parameter itself)
+        when given, else the master."""
         master = values["master"]
         with torch.no_grad():
             param.copy_(values.get("weight", master).to(param.device, param.dtype))
