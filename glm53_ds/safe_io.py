@@ -200,8 +200,23 @@ def read_manifest(root: str) -> dict[str, dict[str, object]]:
     if not os.path.isfile(path):
         raise ValueError(f"{root}: no {MANIFEST}: not a complete glm53_ds checkpoint (an interrupted save, or "
                          "written by another tool)")  # fmt: skip
-    with open(path, encoding="utf-8") as f:
-        return dict(json.load(f)["files"])
+    try:
+        with open(path, encoding="utf-8") as f:
+            files = json.load(f)["files"]
+        if not isinstance(files, dict):
+            raise TypeError("'files' is not an object")
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a glm53_ds manifest ({type(e).__name__}: {e})") from e
+    outside = [n for n in files if not _confined(n)]
+    if outside:
+        raise ValueError(f"{path}: lists {outside[0]!r}, a path outside the checkpoint directory")
+    return dict(files)
+
+
+def _confined(name: str) -> bool:
+    """A relative path that stays inside its directory (no absolute path, no `..` component)."""
+    parts = name.replace(os.sep, "/").split("/")
+    return bool(name) and not os.path.isabs(name) and ".." not in parts and "" not in parts
 
 
 def verify_files(root: str, manifest: dict[str, dict[str, object]], names: Sequence[str]) -> list[str]:

@@ -39,7 +39,7 @@ from .names import (
     split_to_released,
 )
 from .native_format import DEFAULT_SHARD_BYTES, ShardWriter, expert_set_name, write_layout
-from .safetensors_file import SafetensorsSet
+from .safetensors_file import SafetensorsSet, check_plain_file_name
 
 NATIVE_TAG = "hf"
 
@@ -64,6 +64,8 @@ class HFSource:
                 self.weight_map.update({k: name for k in self.files.file(name).keys()})
         if not self.weight_map:
             raise FileNotFoundError(f"{directory!r}: no safetensors weights")
+        for file_name in set(self.weight_map.values()):
+            check_plain_file_name(file_name, directory)
         missing_files = sorted(
             {f for f in self.weight_map.values() if not os.path.isfile(os.path.join(directory, f))}
         )

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 from safetensors.torch import save_file
 
-from .safetensors_file import SafetensorsSet
+from .safetensors_file import SafetensorsSet, check_plain_file_name
 
 FORMAT = "glm53_ds-native-v2"
 DEFAULT_SHARD_BYTES = 2 * 1024**3
@@ -100,6 +100,8 @@ class ShardReader:
             raise FileNotFoundError(f"{directory}: tensor set {name!r} is missing ({name}.index.json)")
         with open(path, encoding="utf-8") as f:
             self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+        for file_name in set(self.weight_map.values()):
+            check_plain_file_name(file_name, directory)
         self.directory = directory
         self.files = SafetensorsSet(directory, self.weight_map)
 

@@ -50,6 +50,11 @@ class SafetensorsFile:
             if len(head) != 8:
                 raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
             (length,) = struct.unpack("<Q", head)
+            size = os.fstat(f.fileno()).st_size
+            if length > size - 8:  # bounded before anything is allocated for it
+                raise ValueError(
+                    f"{path}: not a safetensors file (its header length {length} exceeds the file's {size} bytes)"
+                )
             try:
                 header = json.loads(f.read(length))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -117,6 +122,14 @@ class SafetensorsFile:
                 done += got
 
 
+def check_plain_file_name(name: object, directory: str) -> None:
+    """An index entry names a file of `directory` itself: a plain name, never a path that leaves it (`../x`, `/x`,
+    `sub/../../x`), so a reader opens only files the checkpoint's manifest covers."""
+    if not isinstance(name, str) or not name or name in (".", "..") or os.path.basename(name) != name:
+        raise ValueError(f"{directory}: an index names the file {name!r}, which is not a plain file name of that "
+                         "directory (refused: it would be read from outside the checkpoint)")  # fmt: skip
+
+
 class SafetensorsSet:
     """Tensors spread over the .safetensors files of one directory (`weight_map`: tensor name -> file name), each
     file's header parsed once."""
@@ -128,6 +141,7 @@ class SafetensorsSet:
 
     def file(self, file_name: str) -> SafetensorsFile:
         if file_name not in self._files:
+            check_plain_file_name(file_name, self.directory)
             self._files[file_name] = SafetensorsFile(os.path.join(self.directory, file_name))
         return self._files[file_name]
 

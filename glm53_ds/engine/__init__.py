@@ -11,12 +11,14 @@
 
 from .build import build_engine, close_distributed, init_distributed, optimizer_param_groups, prepare_model
 from .checkpoint import export_engine_to_hf, load_checkpoint, save_checkpoint
+from .deepspeed_internals import NonFiniteGradientError
 
 __all__ = [
     "build_engine",
     "close_distributed",
     "export_engine_to_hf",
     "init_distributed",
+    "NonFiniteGradientError",
     "load_checkpoint",
     "optimizer_param_groups",
     "prepare_model",

@@ -10,6 +10,8 @@ The sequence (every step needed for correctness; docs/parallelism.md explains ea
     deepspeed.initialize(..., mpu=DeepSpeedMpu(layout))
     install_gradient_sync(engine, layout)      ETP pre-average of replicated gradients, global clipping norm
     bf16: install_fp32_params(engine, ...)     their world-mean reduction, global norm, clipping and fp32 optimizer
+    install_step_guard(engine)                 a step whose global gradient norm is inf / NaN changes nothing and
+                                               raises NonFiniteGradientError
 The engine carries its layout as `engine.glm53_layout` (checkpoints read it).
 """
 
@@ -36,6 +38,7 @@ from .deepspeed_internals import (
     check_version,
     install_fp32_params,
     install_gradient_sync,
+    install_step_guard,
     register_expert_groups,
 )
 from .fp32_params import Fp32Params
@@ -231,5 +234,6 @@ def build_engine(
         side.finish(factory, lambda named: decay_groups(named, no_decay_pattern))
         install_fp32_params(engine, side, layout)
         engine.glm53_fp32_params = side
+    install_step_guard(engine)
     engine.glm53_layout = layout
     return engine

@@ -218,12 +218,28 @@ def _write_portable_optimizer(engine: Any, layout: ParallelLayout, root: str) ->
     return int(_from_rank0(step))
 
 
+def _first_non_finite(model: Any) -> str | None:
+    """The first tensor of the model's state (parameters, buffers: the fp32-kept ones too) holding inf / NaN on any
+    rank, as `name (rank R)`, or None. Collective: one host read per rank and one gather."""
+    named = [(n, t) for n, t in model.state_dict().items() if t is not None and t.is_floating_point()]
+    bad = None
+    if named:
+        flags = torch.stack([~torch.isfinite(t).all() for _, t in named]).nonzero()  # the one host read
+        bad = f"{named[int(flags[0])][0]} (rank {dist.get_rank()})" if flags.numel() else None
+    return next((b for b in _gather(bad) if b is not None), None)
+
+
 def save_checkpoint(engine: Any, save_dir: str, tag: str, client_state: dict | None = None) -> str:
     """Save as `<save_dir>/<tag>` (whole or not at all) and point `latest` at it; returns the tag directory.
-    Collective."""
+    A model holding inf / NaN anywhere is refused before anything is written (`CheckpointError`; `latest` stays on
+    the previous tag). Collective."""
     layout: ParallelLayout = engine.glm53_layout
     if not tag or tag.startswith(".") or os.sep in tag:
         raise ValueError(f"checkpoint tag {tag!r}: expected a plain name such as step300")
+    bad = _first_non_finite(engine.module)
+    if bad is not None:
+        raise CheckpointError(f"refusing to save {os.path.join(save_dir, tag)}: {bad} holds inf / NaN values "
+                              "(nothing was written; 'latest' is unchanged)")  # fmt: skip
     staging = f".{tag}.tmp-{_from_rank0(uuid.uuid4().hex[:8])}"
     staged, final = os.path.join(save_dir, staging), os.path.join(save_dir, tag)
     engine.save_checkpoint(save_dir, tag=staging, client_state=client_state or {}, save_latest=False)
@@ -254,12 +270,14 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str, client_state: dict | N
         for directory in {os.path.dirname(os.path.join(staged, n)) for n in names} | {staged}:
             fsync_path(directory)
         old = None
-        if os.path.exists(final):  # a re-save of this tag: the new one replaces it whole
+        if os.path.lexists(final):  # a re-save of this tag: the new one replaces it whole
             old = os.path.join(save_dir, f".{tag}.old-{staging.rsplit('-', 1)[1]}")
             os.replace(final, old)
         os.replace(staged, final)
         fsync_path(save_dir)
-        if old is not None:
+        if old is not None and os.path.islink(old):
+            os.unlink(old)  # a tag that was a link: the link goes, what it pointed at stays
+        elif old is not None:
             shutil.rmtree(old)
         atomic_write_text(os.path.join(save_dir, "latest"), tag)
     dist.barrier()

@@ -42,7 +42,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from packaging.version import Version
 from torch import nn
 
-from ..parallel.grad_norm import clip_grad_norm
+from ..parallel.grad_norm import clip_grad_norm, global_grad_norm
 from ..parallel.layout import ParallelLayout
 from ..parallel.params import is_expert_param, is_sharded_param
 from .fp32_params import Fp32Params
@@ -50,6 +50,7 @@ from .fp32_params import Fp32Params
 # [low, high): the versions these patches were written against
 SUPPORTED = (Version("0.19.8"), Version("0.20.0"))
 FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # torch: weights_only even where False is passed
+FORCE_NO_WEIGHTS_ONLY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"  # torch: never weights_only (ignored for checkpoints)
 
 
 @dataclass(frozen=True)
@@ -74,15 +75,16 @@ PATCHED_SYMBOLS = (
                   "ZeRO-1/2: the same, per parameter, on every path (overlap_comm, accumulation)"),
     PatchedSymbol("DeepSpeedEngine.clip_fp32_gradients", "replaced",
                   "stage 0 fp32: clip by the global-batch norm, not a DP average of per-rank norms"),
-    PatchedSymbol("DeepSpeedEngine._global_grad_norm", "written", "the norm the replacement computed"),
+    PatchedSymbol("DeepSpeedEngine._global_grad_norm", "written",
+                  "the norm the replacement computed (also without clipping, by the plain optimizer's step guard)"),
+    PatchedSymbol("DeepSpeedZeroOptimizer.scaled_global_norm", "wrapped",
+                  "ZeRO-1/2: a non-finite global norm raises before any update (bf16 applied it); bf16: the fp32-kept parameters' gradients join the norm once"),
     PatchedSymbol("BF16_Optimizer.get_grads_for_norm", "wrapped",
                   "ETP ranks > 0 hold no replicated gradient to count: a zero placeholder; bf16: the fp32-kept parameters' norm"),
     PatchedSymbol("DeepSpeedEngine.has_moe_layers", "toggled",
                   "off while DeepSpeed loads a checkpoint: the model files are glm53_ds's own"),
     PatchedSymbol("DeepSpeedEngine.step", "wrapped",
-                  "bf16: at the boundary, reduce / clip / update HF's fp32-kept parameters (fp32_params.py) too"),
-    PatchedSymbol("DeepSpeedZeroOptimizer.scaled_global_norm", "wrapped",
-                  "bf16 ZeRO-1/2: the fp32-kept parameters' gradients join the global norm once"),
+                  "bf16: at the boundary, reduce / clip / update HF's fp32-kept parameters (fp32_params.py) too; always: a step not applied (non-finite norm) raises"),
     PatchedSymbol("FP16_UnfusedOptimizer.unscale_and_clip_grads", "wrapped",
                   "bf16 stage 0: the same, for its clipping"),
     PatchedSymbol("FP16_UnfusedOptimizer._global_grad_norm", "written", "the norm with them, as reported"),
@@ -151,6 +153,24 @@ def _pre_average(tensors: list[torch.Tensor], group: dist.ProcessGroup, size: in
         t.div_(size)
 
 
+class NonFiniteGradientError(FloatingPointError):
+    """The global gradient norm of an optimizer step is not finite (inf / NaN): the step's update was not applied to
+    any parameter, on any rank (the norm is the same everywhere). After it the engine's gradient buffers are left
+    as they are; load a checkpoint to go on."""
+
+    def __init__(self, norm: float) -> None:
+        super().__init__(f"the global gradient norm is {norm}; the update was not applied")
+        self.norm = norm
+
+
+def _refuse_non_finite(norm: Any) -> None:
+    """Raise before any parameter changes when the step's global gradient norm is inf / NaN (or DeepSpeed's -1
+    sentinel for one). One host read of the norm, which the step makes anyway."""
+    value = float(norm)
+    if not math.isfinite(value) or value < 0:
+        raise NonFiniteGradientError(value)
+
+
 def _install_norm_fixes(engine: Any, layout: ParallelLayout) -> None:
     """Clipping must use the norm of the global-batch gradient.
 
@@ -166,7 +186,7 @@ def _install_norm_fixes(engine: Any, layout: ParallelLayout) -> None:
     expert_group = layout.pg_collection.tp_ep
     zero = hasattr(optimizer, "reduce_independent_p_g_buckets_and_remove_grads")
     if not hasattr(optimizer, "get_grads_for_norm") and not zero:
-        if not (engine.fp16_enabled() or engine.bfloat16_enabled()):
+        if not (engine.fp16_enabled() or engine.bfloat16_enabled()):  # a plain torch optimizer, ours
 
             def clip_fp32_gradients() -> None:
                 engine._global_grad_norm = clip_grad_norm(
@@ -174,6 +194,26 @@ def _install_norm_fixes(engine: Any, layout: ParallelLayout) -> None:
                 )
 
             engine.clip_fp32_gradients = clip_fp32_gradients
+            plain_step = optimizer.step
+
+            def step_if_finite(*args: Any, **kwargs: Any) -> Any:
+                # DeepSpeed applies this optimizer whatever the norm: refused here when it is not finite. Without
+                # clipping DeepSpeed computes no norm: computed here (and reported) instead.
+                if engine.gradient_clipping() <= 0:
+                    engine._global_grad_norm = global_grad_norm(engine.module, expert_group)
+                _refuse_non_finite(engine._global_grad_norm)
+                return plain_step(*args, **kwargs)
+
+            optimizer.step = step_if_finite
+    if zero:  # ZeRO-1/2 skip a non-finite norm in fp32 but apply it in bf16 (no check_grad_overflow): refused
+        zero_norm = optimizer.scaled_global_norm
+
+        def scaled_global_norm(norm_type: int = 2) -> Any:
+            norm = zero_norm(norm_type)
+            _refuse_non_finite(norm)
+            return norm
+
+        optimizer.scaled_global_norm = scaled_global_norm
     if hasattr(optimizer, "get_grads_for_norm"):
         original = optimizer.get_grads_for_norm
 
@@ -226,14 +266,36 @@ def install_gradient_sync(engine: Any, layout: ParallelLayout) -> bool:
     return True
 
 
+def install_step_guard(engine: Any) -> None:
+    """`engine.step()` at an accumulation boundary raises `NonFiniteGradientError` whenever the update was not applied
+    because the global gradient norm was not finite: where glm53_ds's hooks refuse it (above) and where DeepSpeed
+    skips it itself (BF16_Optimizer, the stage-0 bf16 optimizer, ZeRO fp32), so that no caller goes on as if the
+    step had been taken. Installed last, around every other wrapper of `step`."""
+    original_step = engine.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        boundary = engine.is_gradient_accumulation_boundary()
+        result = original_step(*args, **kwargs)
+        if boundary and not engine.was_step_applied():  # no loss scaling here: only an invalid norm skips
+            norm = engine.get_global_grad_norm()
+            raise NonFiniteGradientError(float("nan") if norm is None else float(norm))
+        return result
+
+    engine.step = step
+
+
 # ----------------------------------------------------------------------------- 4. checkpoints and fp32 masters
 @contextmanager
 def weights_only_loads() -> Iterator[None]:
     """Every `torch.load` inside reads tensors and plain data only, also DeepSpeed's own, which passes
-    `weights_only=False` (TORCH_FORCE_WEIGHTS_ONLY_LOAD overrides it): a pickled object that would run code is
+    `weights_only=False` (TORCH_FORCE_WEIGHTS_ONLY_LOAD overrides it; a TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD in the
+    environment is lifted meanwhile): a pickled object that would run code is
     refused with one message naming the file, and nothing from it runs."""
-    previous = os.environ.get(FORCE_WEIGHTS_ONLY)
+    previous = {name: os.environ.get(name) for name in (FORCE_WEIGHTS_ONLY, FORCE_NO_WEIGHTS_ONLY)}
     os.environ[FORCE_WEIGHTS_ONLY] = "1"
+    # the opposite switch in the user's environment would make torch refuse every load (both set): checkpoints are
+    # read safely regardless, and the switch is restored afterwards
+    os.environ.pop(FORCE_NO_WEIGHTS_ONLY, None)
     try:
         # the only classes DeepSpeed 0.19 writes into its files besides tensors and containers: plain data
         with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
@@ -242,10 +304,11 @@ def weights_only_loads() -> Iterator[None]:
         raise ValueError(f"refused to load a checkpoint file holding pickled objects other than tensors and plain "
                          f"data (nothing from it was run): {str(e).splitlines()[0]}") from e  # fmt: skip
     finally:
-        if previous is None:
-            os.environ.pop(FORCE_WEIGHTS_ONLY, None)
-        else:
-            os.environ[FORCE_WEIGHTS_ONLY] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @contextmanager
@@ -295,7 +358,9 @@ def install_fp32_params(engine: Any, side: Fp32Params, layout: ParallelLayout) -
             if extra is None or float(norm) < 0:  # no side gradients, or DeepSpeed's invalid-norm sentinel
                 return norm
             norm = torch.as_tensor(norm, dtype=torch.float32)
-            return torch.sqrt(norm.square() + extra.to(norm.device) * float(optimizer.loss_scale) ** 2)
+            norm = torch.sqrt(norm.square() + extra.to(norm.device) * float(optimizer.loss_scale) ** 2)
+            _refuse_non_finite(norm)  # the fp32-kept parameters' share may be the non-finite one
+            return norm
 
         optimizer.scaled_global_norm = scaled_global_norm
     elif hasattr(optimizer, "get_grads_for_norm"):  # BF16_Optimizer
@@ -317,6 +382,7 @@ def install_fp32_params(engine: Any, side: Fp32Params, layout: ParallelLayout) -
             if side.square_norm is not None:
                 total_norm = math.sqrt(float(total_norm) ** 2 + float(side.square_norm))
                 optimizer._global_grad_norm = total_norm
+                _refuse_non_finite(total_norm)
             return original_clip(total_norm, apply_scale)
 
         optimizer.unscale_and_clip_grads = unscale_and_clip_grads

@@ -82,7 +82,8 @@ def linear_cross_entropy(
     normalizer: float | torch.Tensor | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> torch.Tensor:
-    """Cross entropy of `hidden [N, D] @ weight [V, D]^T` against `target [N]` (-100 ignored): the sum over targets
+    """Cross entropy of `hidden [N, D] @ weight [V, D]^T` against `target [N]` (-100 ignored, any other label outside
+    [0, V) refused as `F.cross_entropy` refuses it): the sum over targets
     divided by `normalizer` (default: the number of targets, i.e. the mean). `chunk_bytes <= 0`: the materialised
     reference (one [N, V] fp32 logits tensor)."""
     if hidden.dim() != 2 or target.shape != hidden.shape[:1] or weight.shape[1] != hidden.shape[1]:
@@ -90,6 +91,14 @@ def linear_cross_entropy(
             f"linear_cross_entropy: hidden [N, D], weight [V, D], target [N]; got {tuple(hidden.shape)}, "
             f"{tuple(weight.shape)}, {tuple(target.shape)}"
         )
+    vocab = weight.shape[0]
+    # cross_entropy's contract: only the ignore index is skipped, any other label outside [0, V) is an error (an
+    # asynchronous device assert on CUDA, as cross_entropy's own: no host sync)
+    outside = (target != IGNORE_INDEX) & ((target < 0) | (target >= vocab))
+    torch._assert_async(
+        ~outside.any(),
+        f"linear_cross_entropy: a target is outside [0, {vocab}) and is not the ignore index {IGNORE_INDEX}",
+    )
     if normalizer is None:
         normalizer = (target != IGNORE_INDEX).sum()
     norm = torch.as_tensor(normalizer, dtype=torch.float32, device=hidden.device).clamp_min(1.0)

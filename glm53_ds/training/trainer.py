@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from ..config import Glm53Config
 from ..engine import (
+    NonFiniteGradientError,
     build_engine,
     close_distributed,
     export_engine_to_hf,
@@ -32,7 +33,7 @@ from ..engine import (
     save_checkpoint,
 )
 from ..engine.build import describe_param_groups, set_learning_rate
-from ..engine.checkpoint import check_checkpoint_fits, layout_record, verify_checkpoint
+from ..engine.checkpoint import CheckpointError, check_checkpoint_fits, layout_record, verify_checkpoint
 from ..hf_loader import SafetensorsCheckpoint, checkpoint_has_mtp, load_hf_state_into
 from ..layers.moe import update_router_bias
 from ..model import Glm53Model, LossParts
@@ -308,7 +309,11 @@ class Trainer:
             parts.append(loss)
             if micro == self.gas - 1:
                 self._stop_if_not_finite(step, parts)  # before the one update of the step
-            engine.step()
+            try:
+                engine.step()
+            except NonFiniteGradientError as e:  # raised on every rank alike, before any parameter changed
+                raise TrainingStopped(f"gradient norm is {e.norm} at step {step + 1}; training stopped before "
+                                      f"updating the weights. {self._last_good()}") from e  # fmt: skip
         self.consumed += c.micro_batch_size * self.gas * self.data_world
         balance = update_router_bias(engine.module, rate=c.router_bias_update_rate)
         total, lm, mtp, indexer = self._logged
@@ -363,16 +368,18 @@ class Trainer:
         self._counted = values[-2:]
         bad = [i for i, f in enumerate(flags_out) if f > 0]
         if bad:
-            if self.last_saved:
-                where = f"The last checkpoint this run saved is {self.last_saved}"
-            elif self.config.load:
-                where = f"This run saved no checkpoint; it started from {self.config.load}"
-            else:
-                where = "No checkpoint was saved" + ("" if self.config.save else " (--save not given)")
             raise TrainingStopped(
                 f"loss is {self._logged[0]} at step {step + 1} (micro-batch {bad[0]}); training stopped before "
-                f"updating the weights. {where}"
+                f"updating the weights. {self._last_good()}"
             )
+
+    def _last_good(self) -> str:
+        """Where a stopped run can be resumed from: the last checkpoint it saved, or what it started from."""
+        if self.last_saved:
+            return f"The last checkpoint this run saved is {self.last_saved}"
+        if self.config.load:
+            return f"This run saved no checkpoint; it started from {self.config.load}"
+        return "No checkpoint was saved" + ("" if self.config.save else " (--save not given)")
 
     # ------------------------------------------------------------------ checkpoints and the end
     def save(self, step: int) -> None:
@@ -380,7 +387,10 @@ class Trainer:
         check_replicas(self.engine.module, self.layout)
         client = {"step": step, "consumed_samples": self.consumed, "data": self.stream.identity,
                   "rng": torch.get_rng_state()}  # fmt: skip
-        self.last_saved = save_checkpoint(self.engine, self.config.save, f"step{step}", client_state=client)
+        try:
+            self.last_saved = save_checkpoint(self.engine, self.config.save, f"step{step}", client_state=client)
+        except CheckpointError as e:  # non-finite weights: decided on every rank alike
+            raise TrainingStopped(f"{e}. {self._last_good()}") from e
 
     def _log(self, record: dict[str, Any]) -> None:
         self.last = record
