@@ -14,11 +14,14 @@ Rules every writer of glm53_ds follows:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
 import shutil
+import socket
 import tempfile
+import time
 import uuid
 import zlib
 from collections.abc import Iterator, Sequence
@@ -162,6 +165,90 @@ def staged_dir(final: str) -> Iterator[str]:
     publish_dir(tmp, final)
 
 
+# ----------------------------------------------------------------------------- one writer per directory
+LOCK_FILE = ".glm53-writer.lock"
+
+
+def _process_start(pid: int) -> str | None:
+    """The kernel's start time of process `pid` (Linux /proc), so that a reused pid is not taken for the writer."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _running(pid: int, started: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return started is None or _process_start(pid) in (None, started)
+
+
+class DirectoryLock:
+    """An exclusive writer's lock on a directory: `<dir>/.glm53-writer.lock`, created with O_EXCL, holding the
+    writer's host, pid, process start time and a run id.
+
+    Stale-lock rule: a lock written on this host by a process that no longer runs (its pid gone, or reused by a
+    process that started later) is taken over, with a notice; a lock of another host, or of a running process, is
+    refused with its owner named (remove the file by hand once that run is known to be gone). `release` removes the
+    file only while it is still this writer's."""
+
+    def __init__(self, directory: str, option: str) -> None:
+        self.directory, self.option = directory, option
+        self.path = os.path.join(directory, LOCK_FILE)
+        self.run_id = uuid.uuid4().hex
+        self.held = False
+
+    def _owner(self) -> dict[str, object]:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                owner = json.load(f)
+            return owner if isinstance(owner, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def acquire(self) -> str | None:
+        """Take the lock or raise `OutputPathError` naming its owner; returns a notice when a stale lock was
+        taken over (else None)."""
+        os.makedirs(self.directory, exist_ok=True)
+        me = dict(host=socket.gethostname(), pid=os.getpid(), started=_process_start(os.getpid()),
+                  run=self.run_id, since=time.strftime("%Y-%m-%d %H:%M:%S"))  # fmt: skip
+        notice = None
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = self._owner()
+                pid = owner.get("pid")
+                stale = owner.get("host") == me["host"] and isinstance(pid, int) and not _running(pid, owner.get("started"))  # type: ignore[arg-type]  # fmt: skip
+                if not stale:
+                    who = f"host {owner.get('host', '?')}, pid {owner.get('pid', '?')}, since {owner.get('since', '?')}"
+                    raise OutputPathError(
+                        f"{self.option} {self.directory!r} is being written by another run ({who}: {self.path}); "
+                        "two runs would interleave their checkpoints. If that run is gone, remove the lock file"
+                    ) from None
+                os.unlink(self.path)
+                notice = (f"{self.option}: took over the stale lock of pid {pid} on {me['host']} (no longer "
+                          f"running): {self.path}")  # fmt: skip
+                continue
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(me, f)
+                f.flush()
+                os.fsync(f.fileno())
+            self.held = True
+            return notice
+        raise OutputPathError(f"{self.option} {self.directory!r}: could not take the lock {self.path}")
+
+    def release(self) -> None:
+        if self.held and self._owner().get("run") == self.run_id:
+            os.unlink(self.path)
+        self.held = False
+
+
 # ----------------------------------------------------------------------------- manifests
 def file_crc32(path: str) -> str:
     crc = 0
@@ -220,18 +307,29 @@ def _confined(name: str) -> bool:
 
 
 def verify_files(root: str, manifest: dict[str, dict[str, object]], names: Sequence[str]) -> list[str]:
-    """Problems with `names` (a share of the manifest's files): missing, wrong size, wrong checksum."""
-    problems = []
-    for name in names:
+    """Problems with `names` (a share of the manifest's files): missing, wrong size, wrong checksum. The checksums
+    run on a few threads (zlib and file reads release the GIL), in the order of `names`."""
+
+    def problem(name: str) -> str | None:
         want = manifest[name]
         path = os.path.join(root, name)
         if not os.path.isfile(path):
-            problems.append(f"{name} is missing")
-        elif os.path.getsize(path) != want["size"]:
-            problems.append(f"{name} has {os.path.getsize(path)} bytes, the manifest says {want['size']}")
-        elif file_crc32(path) != want["crc32"]:
-            problems.append(f"{name} does not match its checksum")
-    return problems
+            return f"{name} is missing"
+        if os.path.getsize(path) != want["size"]:
+            return f"{name} has {os.path.getsize(path)} bytes, the manifest says {want['size']}"
+        if file_crc32(path) != want["crc32"]:
+            return f"{name} does not match its checksum"
+        return None
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, max(1, len(names)))) as pool:
+        return [p for p in pool.map(problem, names) if p is not None]
+
+
+def published_tags(directory: str) -> list[str]:
+    """The checkpoints a directory holds: its sub-directories with a manifest (a published tag), sorted."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(n for n in os.listdir(directory) if os.path.isfile(os.path.join(directory, n, MANIFEST)))
 
 
 def unlisted_files(root: str, manifest: dict[str, dict[str, object]]) -> list[str]:

@@ -93,10 +93,10 @@ def test_bad_chat_lines_name_file_and_line(tmp_path):
         json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps({"question": "?"}) + "\n"
     )
     with pytest.raises(ValueError, match=rf"{path}:2: a chat line needs 'messages'"):
-        open_stream(str(path), ByteTokenizer(), "bytes", str(tmp_path / "c"), 64, 1, 300, pack=False)
+        open_stream(str(path), ByteTokenizer(), str(tmp_path / "c"), 64, 1, 300, pack=False)
     path.write_text(json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n")
     with pytest.raises(ValueError, match=rf"{path}:1: messages\[0\] must be"):
-        open_stream(str(path), ByteTokenizer(), "bytes", str(tmp_path / "c"), 64, 1, 300, pack=False)
+        open_stream(str(path), ByteTokenizer(), str(tmp_path / "c"), 64, 1, 300, pack=False)
 
 
 def test_packing_splits_long_documents_and_keeps_boundaries():
@@ -105,11 +105,11 @@ def test_packing_splits_long_documents_and_keeps_boundaries():
     # greedy: [1]*5 | pad ; [2]*8 ; [2]*4 [3]*3 | pad
     assert tokens.tolist() == [[1] * 5 + [0] * 3, [2] * 8, [2] * 4 + [3] * 3 + [0]]
     assert starts == [[0, 5], [0], [0, 4, 7]] and real == [5, 8, 7]
-    assert counts == dict(documents=3, pieces=4, real_tokens=20, targets=4 + 7 + 3 + 2)
+    assert counts == dict(documents=3, pieces=4, real_tokens=20, targets=4 + 7 + 3 + 2, no_target_documents=0)
 
 
 def test_global_batch_is_the_same_rows_at_any_world_size(tmp_path):
-    stream = open_stream(CHAT, ByteTokenizer(), "bytes", str(tmp_path), 64, 7, 300, pack=False)
+    stream = open_stream(CHAT, ByteTokenizer(), str(tmp_path), 64, 7, 300, pack=False)
     one = stream.micro_batch(8, 0, 0, 1, 4).input_ids.reshape(4, 64)
     two = [stream.micro_batch(8, m, r, 2, 1).input_ids for m in range(2) for r in range(2)]
     assert torch.equal(one, torch.cat(two))
@@ -164,7 +164,7 @@ def test_two_ranks_two_accumulation_steps_equal_one_process_on_the_global_batch(
     assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-5 * b["lm_loss"], (a, b)
     assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"], (a, b)
     stream = open_stream(
-        CHAT, ByteTokenizer(), "bytes", str(tmp_path / "one" / "data_cache"), 64, 3, 300, False
+        CHAT, ByteTokenizer(), str(tmp_path / "one" / "data_cache"), 64, 3, 300, False
     )
     per_row = [int((stream.micro_batch(0, 0, r, 4, 1).labels[0, 1:] != IGNORE_INDEX).sum()) for r in range(4)]
     assert len(set(per_row)) > 1, per_row  # unequal targets: a mean of means would differ

@@ -267,7 +267,7 @@ def test_start_from_released_weights_under_ep2(tmp_path, source):
 
     model = glm53_ds.load_hf(str(tmp_path / "hf")).eval()
     prefix = resolve_dataset(
-        os.path.join(ROOT, "data", "tiny_corpus.txt"), ByteTokenizer(), "bytes", str(tmp_path / "c")
+        os.path.join(ROOT, "data", "tiny_corpus.txt"), ByteTokenizer(), str(tmp_path / "c")
     )
     stream = SampleStream(prefix, 64, 1234, model.glm.vocab_size)
     losses = []

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from ..config import Glm53Config
 from ..model import Glm53Model, build_model
 from ..parallel.expert_shard import DOWN, ExpertShard, expert_tensor_kind
-from ..safe_io import check_output_dir, staged_dir
+from ..safe_io import check_output_dir, read_manifest, staged_dir, verify_files
 from .import_hf import ConversionError, HFSource
 from .names import Placement, released_layout
 from .native_format import DEFAULT_SHARD_BYTES, ShardReader, ShardWriter, expert_set_name, read_layout
@@ -43,19 +43,40 @@ def native_root(ckpt: str) -> str:
 
 
 class NativeCheckpoint:
+    """A native checkpoint's model, read as single tensors or released-layout slices. Every file it reads (layout,
+    the kept config, the model sets' indexes and shards) is checked against the tag's manifest first: size and
+    CRC-32, never a file the manifest does not list (a damaged export is refused, not written)."""
+
     def __init__(self, ckpt: str) -> None:
         self.root = native_root(ckpt)
+        self._tag_dir = os.path.dirname(os.path.abspath(self.root))
+        self._manifest = read_manifest(self._tag_dir)
+        self._check("layout.json", *(["hf_config.json"] if os.path.isfile(os.path.join(self.root, "hf_config.json"))
+                                     else []))  # fmt: skip
         self.meta = read_layout(self.root)
         self.cfg = Glm53Config.from_text_dict(self.meta["config"])
         self.ep, self.etp = self.meta["ep"], self.meta["etp"]
         self.shard = ExpertShard.for_config(self.cfg, ep=self.ep, etp=self.etp)  # the layout's rule
-        self.replicated = ShardReader(self.root, "replicated")
+        self.replicated = self._open("replicated")
         self.experts = {
-            (e, t): ShardReader(self.root, expert_set_name(e, t))
-            for e in range(self.ep)
-            for t in range(self.etp)
+            (e, t): self._open(expert_set_name(e, t)) for e in range(self.ep) for t in range(self.etp)
         }
         self.mtp = any(k.startswith("mtp.") for k in self.replicated.keys())
+
+    def _check(self, *names: str) -> None:
+        """`names` (relative to the model directory) against the manifest; one error naming every problem."""
+        prefix = os.path.relpath(os.path.abspath(self.root), self._tag_dir)
+        paths = [os.path.normpath(os.path.join(prefix, n)) for n in names]
+        problems = [f"{p} is not in the manifest" for p in paths if p not in self._manifest]
+        problems += verify_files(self._tag_dir, self._manifest, [p for p in paths if p in self._manifest])
+        if problems:
+            raise ConversionError(f"checkpoint {self._tag_dir} is damaged or incomplete: " + "; ".join(problems[:10]))
+
+    def _open(self, name: str) -> ShardReader:
+        self._check(f"{name}.index.json")
+        reader = ShardReader(self.root, name)
+        self._check(*sorted(set(reader.weight_map.values())))
+        return reader
 
     def read(self, p: Placement) -> torch.Tensor:
         """The part of the full native tensor `p` points at, assembled from the shards."""
@@ -90,10 +111,10 @@ class NativeCheckpoint:
             pieces = [self.read(p) for p in placements]
             yield name, pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
-    def write_hf_config(self, path: str, template: str | None) -> None:
-        """The config.json the weights came from, verbatim; else the template's with the text fields updated;
-        else a generated one."""
-        kept = os.path.join(self.root, "hf_config.json")
+    def write_hf_config(self, path: str, template: str | None, verbatim: str | None = None) -> None:
+        """The config.json the weights came from, verbatim (`verbatim`, else the one kept in the checkpoint); else
+        the template's with the text fields updated; else a generated one."""
+        kept = verbatim or os.path.join(self.root, "hf_config.json")
         if os.path.isfile(kept):
             shutil.copyfile(kept, path)
             return
@@ -136,10 +157,11 @@ def check_template(native: NativeCheckpoint, hf_template: str) -> None:
 
 def native_to_hf(
     ckpt: str, out: str, hf_template: str | None = None, force: bool = False,
-    shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = False,
+    shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = False, config_json: str | None = None,
 ) -> str:  # fmt: skip
     """Write `out` whole (built under a temporary name, removed on failure). An existing non-empty `out` is
-    refused without `force`; with it only the files the export writes are replaced, nothing is deleted."""
+    refused without `force`; with it only the files the export writes are replaced, nothing is deleted.
+    `config_json`: the config.json to carry verbatim (a running job's --hf-dir's), before the checkpoint's own."""
     native = NativeCheckpoint(ckpt)
     check_output_dir(out, "--out", force=force, inputs={"--ckpt": ckpt, "--hf-template": hf_template})
     if hf_template:
@@ -157,7 +179,7 @@ def native_to_hf(
                 if name.startswith(("model.visual.", "visual.")):
                     writer.add(name, source.raw(name))  # unchanged, bytes and dtype
         writer.close()
-        native.write_hf_config(os.path.join(tmp, "config.json"), hf_template)
+        native.write_hf_config(os.path.join(tmp, "config.json"), hf_template, verbatim=config_json)
         for name in COMPANION_FILES if hf_template else ():
             if os.path.isfile(os.path.join(hf_template, name)):  # type: ignore[arg-type]
                 shutil.copyfile(os.path.join(hf_template, name), os.path.join(tmp, name))  # type: ignore[arg-type]

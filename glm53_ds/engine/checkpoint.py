@@ -539,11 +539,8 @@ def export_engine_to_hf(
     try:
         tag_dir = save_checkpoint(engine, work, "export")
         if dist.get_rank() == 0:
-            if template:
-                shutil.copyfile(
-                    os.path.join(template, "config.json"), os.path.join(tag_dir, "glm53", "hf_config.json")
-                )
-            native_to_hf(tag_dir, out_dir, hf_template=template, force=force)
+            config_json = os.path.join(template, "config.json") if template else None
+            native_to_hf(tag_dir, out_dir, hf_template=template, force=force, config_json=config_json)
         dist.barrier()
     finally:
         if dist.get_rank() == 0:

@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--load-model-only", action="store_true", help="take only --load's weights (at any layout): "
                    "fresh optimizer state, step 0, data from the start. Without it --load resumes everything, also "
                    "at another world size, EP, ETP, SP, ZeRO stage or dtype")  # fmt: skip
+    c.add_argument("--save-into-existing", action="store_true", help="let a run that does not resume from --save "
+                   "(--load the same directory) write there although it holds checkpoints: its tags of the same "
+                   "names are replaced and 'latest' moves to this run's (refused without this)")  # fmt: skip
     c.add_argument("--export-hf", help="write a transformers-loadable directory at the end (with --hf-dir's "
                    "tokenizer files); refused if it exists and is not empty, unless --force")  # fmt: skip
     c.add_argument("--force", action="store_true", help="let --export-hf write into an existing non-empty directory: "

@@ -16,7 +16,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from ..safe_io import OutputPathError, check_output_dir
+from ..safe_io import OutputPathError, check_output_dir, published_tags
 from .presets import DEFAULT_ROUTER_BIAS_UPDATE_RATE, PRESET_ROUTER_BIAS_UPDATE_RATE, PRESETS
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -70,6 +70,7 @@ class TrainConfig:
     load: str | None = None
     load_tag: str | None = None
     load_model_only: bool = False  # --load's weights only: fresh optimizer state, step 0, data from the start
+    save_into_existing: bool = False  # a run not resuming from --save may still write there (replacing same-name tags)
     export_hf: str | None = None
     force: bool = (
         False  # --export-hf may write into an existing non-empty directory (replacing only its files)
@@ -105,6 +106,7 @@ class TrainConfig:
         }
         given["no_mtp"] = bool(getattr(args, "no_mtp", False))
         given["force"] = bool(getattr(args, "force", False))
+        given["save_into_existing"] = bool(getattr(args, "save_into_existing", False))
         hf_dir, model_config = given.get("hf_dir"), given.get("model_config")
         preset = (
             None if hf_dir or (model_config and model_config not in PRESETS) else (model_config or "tiny")
@@ -189,10 +191,31 @@ class TrainConfig:
             ):  # a checkpoint directory accumulates tags; resuming in place (--load = --save) is fine
                 check_output_dir(self.save, "--save", may_exist=True, inputs={k: v for k, v in inputs.items()
                                                                               if k != "--load"})  # fmt: skip
+                self.check_save_is_this_runs()
             check_output_dir(self.output_dir, "--output-dir", may_exist=True,
                              inputs={"--hf-dir": self.hf_dir, "--load": self.load})  # fmt: skip
         except OutputPathError as e:
             raise SetupError(str(e)) from e
+
+
+    def check_save_is_this_runs(self) -> None:
+        """A `--save` holding checkpoints belongs to the run that wrote them: only a run resuming from it (`--load`
+        the same directory) continues there, or one told to with --save-into-existing; anything else would replace
+        that run's tags of the same name and move its `latest`."""
+        tags = published_tags(self.save or "")
+        resumes_here = self.load is not None and os.path.realpath(self.load) == os.path.realpath(self.save or "")
+        if tags and not resumes_here and not self.save_into_existing:
+            latest = os.path.join(self.save or "", "latest")
+            shown = ", ".join(tags[:6]) + (f", ... ({len(tags)} tags)" if len(tags) > 6 else "")
+            pointer = ""
+            if os.path.isfile(latest):
+                with open(latest, encoding="utf-8") as f:
+                    pointer = f"; latest: {f.read().strip()}"
+            raise SetupError(
+                f"--save {self.save!r} already holds checkpoints ({shown}{pointer}) that this run did not write; "
+                f"starting there would replace them. Resume from them with --load {self.save}, give another --save, "
+                "or pass --save-into-existing"
+            )
 
 
 # Keys a config.json must give (transformers would fall back to the released sizes without a word).

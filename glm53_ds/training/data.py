@@ -43,11 +43,39 @@ from .packing import (
 BYTE_EOD, BYTE_PAD = 256, 257
 
 
+# The files of a tokenizer directory that decide its token ids and chat rendering (what the data caches key on).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "vocab.txt", "merges.txt", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json")  # fmt: skip
+WHOLE_HASH_BYTES = 1 << 30  # files up to this size are hashed whole; larger indexed datasets are sampled
+
+
+def content_hash(paths: Sequence[str], whole_bytes: int = WHOLE_HASH_BYTES) -> str:
+    """A fingerprint of the files' contents (names aside): each file's size and its bytes, read whole up to
+    `whole_bytes`; of a larger file 256 blocks of 64 KiB spread evenly over it, the first and last included (an
+    indexed dataset of hundreds of GB is not read at every start; a different corpus still differs)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for path in paths:
+        size = os.path.getsize(path)
+        digest.update(f"{size}|".encode())
+        with open(path, "rb") as f:
+            if size <= whole_bytes:
+                while chunk := f.read(1 << 24):
+                    digest.update(chunk)
+                continue
+            block, count = 1 << 16, 256
+            for i in range(count):
+                f.seek((size - block) * i // (count - 1))
+                digest.update(f.read(block))
+    return digest.hexdigest()
+
+
 class ByteTokenizer:
     vocab_size = 258
     eod_id = BYTE_EOD
     pad_id = BYTE_PAD
     chat_end_ids = [BYTE_EOD]  # after a conversation (training/packing.py)
+    fingerprint = "bytes-v1"  # the byte ids and the built-in chat template (bump if either changes)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -67,6 +95,9 @@ class HFTokenizer:
                 f"--tokenizer {path!r}: no such directory (expected a tokenizer or checkpoint dir)"
             )
         self.tok = AutoTokenizer.from_pretrained(path)
+        files = [os.path.join(path, n) for n in TOKENIZER_FILES if os.path.isfile(os.path.join(path, n))]
+        files += sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".tiktoken"))
+        self.fingerprint = "hf-" + content_hash(files)  # its contents, not its path: an edit in place counts
         self.vocab_size = len(self.tok)
         eod = self.tok.eos_token_id
         if eod is None:
@@ -101,13 +132,21 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
 
 def _jsonl_records(path: str) -> Iterator[tuple[str, Any]]:
     """(`file:line`, parsed record) for every non-blank line of a .jsonl file; a bad line names file and line."""
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, 1):
+            line = _utf8(raw, f"{path}:{i}")
             if line.strip():
                 try:
                     yield f"{path}:{i}", json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{i}: not a JSON line ({e.msg} at column {e.colno})") from e
+
+
+def _utf8(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from e
 
 
 def _documents(path: str) -> Iterator[str]:
@@ -117,8 +156,8 @@ def _documents(path: str) -> Iterator[str]:
                 raise ValueError(f"{where}: a jsonl document needs a 'text' field")
             yield doc["text"]
     else:
-        with open(path, encoding="utf-8") as f:
-            yield f.read()
+        with open(path, "rb") as f:
+            yield _utf8(f.read(), path)
 
 
 def build_indexed_dataset(input_path: str, output_prefix: str, tokenizer: ByteTokenizer | HFTokenizer) -> str:
@@ -139,22 +178,24 @@ def build_indexed_dataset(input_path: str, output_prefix: str, tokenizer: ByteTo
     return output_prefix
 
 
-def _cache_key(path: str, *options: object) -> str:
-    """A cache name for what is built from `path` (its size and mtime) with `options` (tokenizer, ...)."""
-    stat = os.stat(path)
-    fields = [os.path.abspath(path), stat.st_size, stat.st_mtime_ns, *options]
+def _cache_key(paths: Sequence[str], *options: object) -> str:
+    """A cache name for what is built from the files `paths` (their contents: `content_hash`) with `options` (the
+    tokenizer's fingerprint, ...): an edit of the data or of the tokenizer in place builds anew."""
+    fields = [content_hash(paths), *options]
     return hashlib.sha1("|".join(str(f) for f in fields).encode()).hexdigest()[:16]
 
 
-def resolve_dataset(
-    data: str, tokenizer: ByteTokenizer | HFTokenizer, tokenizer_spec: str, cache_dir: str
-) -> str:
+def _dataset_files(prefix: str) -> list[str]:
+    return [prefix + ".idx", prefix + ".bin"]
+
+
+def resolve_dataset(data: str, tokenizer: ByteTokenizer | HFTokenizer, cache_dir: str) -> str:
     """The indexed-dataset prefix for `--data` (tokenizing text/jsonl into `cache_dir` once)."""
     if os.path.isfile(data + ".bin") and os.path.isfile(data + ".idx"):
         return data
     if not os.path.isfile(data):
         raise FileNotFoundError(f"--data {data!r}: neither a file nor an indexed dataset prefix (.bin/.idx)")
-    prefix = os.path.join(cache_dir, f"{os.path.basename(data)}.{_cache_key(data, tokenizer_spec)}")
+    prefix = os.path.join(cache_dir, f"{os.path.basename(data)}.{_cache_key([data], tokenizer.fingerprint)}")
     if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
         os.makedirs(cache_dir, exist_ok=True)
         build_indexed_dataset(data, prefix, tokenizer)
@@ -186,7 +227,6 @@ def _text_documents(prefix: str) -> Iterator[tuple[list[int], list[bool]]]:
 def open_stream(
     data: str,
     tokenizer: ByteTokenizer | HFTokenizer,
-    tokenizer_spec: str,
     cache_dir: str,
     seq_length: int,
     seed: int,
@@ -194,21 +234,21 @@ def open_stream(
     pack: bool,
 ) -> SampleStream | PackedRowStream:
     """The training data for `--data`: packed rows for chat data or `--pack`, else pretraining windows; tokenized
-    and packed into `cache_dir` once (the first caller builds, later ones open the cache)."""
+    and packed into `cache_dir` once (the first caller builds, later ones open the cache). Caches are keyed on the
+    data's and the tokenizer's contents."""
     chat = os.path.isfile(data) and is_chat_jsonl(data)
     if not (chat or pack):
-        return SampleStream(
-            resolve_dataset(data, tokenizer, tokenizer_spec, cache_dir), seq_length, seed, vocab_size
-        )
-    source = data if chat else resolve_dataset(data, tokenizer, tokenizer_spec, cache_dir)
+        return SampleStream(resolve_dataset(data, tokenizer, cache_dir), seq_length, seed, vocab_size)
+    source = data if chat else resolve_dataset(data, tokenizer, cache_dir)
     key = _cache_key(
-        source if chat else source + ".bin", tokenizer_spec, seq_length, "chat" if chat else "pack"
+        [source] if chat else _dataset_files(source), tokenizer.fingerprint, seq_length, "chat" if chat else "pack"
     )
     directory = os.path.join(cache_dir, f"{os.path.basename(data)}.{key}.packed")
     if not os.path.isfile(os.path.join(directory, "meta.json")):
         os.makedirs(cache_dir, exist_ok=True)
         documents = _chat_documents(data, tokenizer) if chat else _text_documents(source)
-        build_packed(documents, directory, seq_length, tokenizer.pad_id)
+        build_packed(documents, directory, seq_length, tokenizer.pad_id, fingerprint=key,
+                     source=f"--data {data}", unit="conversations" if chat else "documents")  # fmt: skip
     return PackedRowStream(directory, seed, vocab_size)
 
 
@@ -220,7 +260,13 @@ class SampleStream:
     vocabulary once per dataset file (chunked reads, the result cached beside it) and again per sample."""
 
     def __init__(self, prefix: str, seq_length: int, seed: int, vocab_size: int) -> None:
-        index = IndexedDataset(prefix).index
+        try:
+            index = IndexedDataset(prefix).index
+        except (OSError, ValueError, AssertionError) as e:  # megatron asserts on a damaged .idx
+            raise ValueError(f"--data {prefix!r}: the indexed dataset cannot be read ({type(e).__name__}: {e}); if it "
+                             "is a cache under data_cache/, remove it to rebuild") from e  # fmt: skip
+        self.fingerprint = content_hash(_dataset_files(prefix))
+        self.notices: list[str] = []
         self.dtype = np.dtype(index.dtype)
         self.tokens = np.memmap(prefix + ".bin", dtype=self.dtype, mode="r")
         self.seq_length, self.seed, self.vocab_size, self.prefix = seq_length, seed, vocab_size, prefix
@@ -238,8 +284,10 @@ class SampleStream:
 
     @property
     def identity(self) -> dict[str, object]:
-        """What fixes the sample order (a resume with other values would re-read or skip samples)."""
-        return {"tokens": int(len(self.tokens)), "seq_length": self.seq_length, "seed": self.seed}
+        """What fixes the sample order (a resume with other values would re-read or skip samples): the corpus
+        (its size and content fingerprint), the sample length and the seed."""
+        return {"tokens": int(len(self.tokens)), "seq_length": self.seq_length, "seed": self.seed,
+                "fingerprint": self.fingerprint}  # fmt: skip
 
     def sample(self, index: int) -> torch.Tensor:
         """The `index`-th sample of the run ([seq_length + 1] int64), cycling epochs."""

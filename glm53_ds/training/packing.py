@@ -159,7 +159,7 @@ def pack(
     tokens: list[int] = []
     labels: list[int] = []
     row_starts: list[int] = []
-    counts = dict(documents=0, pieces=0, real_tokens=0, targets=0)
+    counts = dict(documents=0, pieces=0, real_tokens=0, targets=0, no_target_documents=0)
 
     def close() -> None:
         nonlocal tokens, labels, row_starts
@@ -177,6 +177,7 @@ def pack(
 
     for ids, trained in documents:
         counts["documents"] += 1
+        targets_before = counts["targets"]
         for begin in range(0, len(ids), seq_length):
             piece, mask = ids[begin : begin + seq_length], trained[begin : begin + seq_length]
             if len(tokens) + len(piece) > seq_length:
@@ -187,6 +188,7 @@ def pack(
             counts["pieces"] += 1
             counts["real_tokens"] += len(piece)
             counts["targets"] += sum(mask[1:])  # a piece's first token is no target
+        counts["no_target_documents"] += counts["targets"] == targets_before
     close()
     if not rows_tokens:
         raise ValueError("no documents to pack")
@@ -200,10 +202,16 @@ def pack(
 
 
 def build_packed(
-    documents: Iterator[tuple[list[int], list[bool]]], directory: str, seq_length: int, pad_id: int
-) -> str:
-    """Pack `documents` into `directory` (staged, then renamed into place)."""
+    documents: Iterator[tuple[list[int], list[bool]]], directory: str, seq_length: int, pad_id: int,
+    fingerprint: str = "", source: str = "the data", unit: str = "documents",
+) -> str:  # fmt: skip
+    """Pack `documents` into `directory` (staged, then renamed into place). Data with no target token at all is
+    refused (nothing would be trained: a loss of 0 while weight decay still moves the weights). `fingerprint`:
+    what the rows were built from (the cache key: data and tokenizer contents), recorded for resumes."""
     tokens, labels, starts, real, counts = pack(documents, seq_length, pad_id)
+    if counts["targets"] == 0:
+        raise ValueError(f"{source}: none of its {counts['documents']} {unit} has a token to train on (no assistant "
+                         "turn, or only empty ones); nothing would be learned")  # fmt: skip
     flat = np.asarray([s for row in starts for s in row], dtype=np.int32)
     offsets = np.cumsum([0] + [len(row) for row in starts]).astype(np.int64)
     with staged_dir(directory) as tmp:
@@ -212,9 +220,8 @@ def build_packed(
         np.save(os.path.join(tmp, "doc_starts.npy"), flat)
         np.save(os.path.join(tmp, "row_offsets.npy"), offsets)
         np.save(os.path.join(tmp, "real_tokens.npy"), np.asarray(real, dtype=np.int32))
-        meta = dict(
-            seq_length=seq_length, rows=int(tokens.shape[0]), max_token_id=int(tokens.max()), **counts
-        )
+        meta = dict(seq_length=seq_length, rows=int(tokens.shape[0]), max_token_id=int(tokens.max()),
+                    fingerprint=fingerprint, source=source, unit=unit, **counts)  # fmt: skip
         with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
             json.dump(meta, f)
     return directory
@@ -226,11 +233,20 @@ class PackedRowStream:
 
     def __init__(self, directory: str, seed: int, vocab_size: int) -> None:
         load = lambda name: np.load(os.path.join(directory, name), mmap_mode="r", allow_pickle=False)  # noqa: E731
-        self.tokens, self.labels = load("tokens.npy"), load("labels.npy")
-        self.doc_starts, self.row_offsets = load("doc_starts.npy"), load("row_offsets.npy")
-        self.real_tokens = load("real_tokens.npy")
-        with open(os.path.join(directory, "meta.json"), encoding="utf-8") as f:
-            self.meta = json.load(f)
+        try:
+            self.tokens, self.labels = load("tokens.npy"), load("labels.npy")
+            self.doc_starts, self.row_offsets = load("doc_starts.npy"), load("row_offsets.npy")
+            self.real_tokens = load("real_tokens.npy")
+            with open(os.path.join(directory, "meta.json"), encoding="utf-8") as f:
+                self.meta = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"the packed data cache {directory} is damaged ({type(e).__name__}: {e}); remove it "
+                             "to rebuild") from e  # fmt: skip
+        self.notices: list[str] = []
+        unused = int(self.meta.get("no_target_documents", 0))
+        if unused:
+            self.notices.append(f"{self.meta.get('source', 'the data')}: {unused} of {self.meta['documents']} "
+                                f"{self.meta.get('unit', 'documents')} have no token to train on (context only)")  # fmt: skip
         self.seq_length = int(self.tokens.shape[1])
         self.num_samples = int(self.tokens.shape[0])
         top = int(self.meta["max_token_id"])  # recorded at build time: no scan of the rows at start-up
@@ -244,7 +260,7 @@ class PackedRowStream:
     @property
     def identity(self) -> dict[str, object]:
         return {"rows": self.num_samples, "seq_length": self.seq_length, "seed": self.seed,
-                "targets": int(self.meta["targets"])}  # fmt: skip
+                "targets": int(self.meta["targets"]), "fingerprint": self.meta.get("fingerprint", "")}  # fmt: skip
 
     def row(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """(tokens, labels, document starts, real tokens) of the row read at run position `index`."""

@@ -39,6 +39,7 @@ from ..layers.moe import update_router_bias
 from ..model import Glm53Model, LossParts
 from ..parallel.layout import ParallelLayout, init_layout, validate_layout
 from ..parallel.replicas import check_replicas
+from ..safe_io import DirectoryLock
 from ..transformer_config import make_transformer_config
 from .args import build_parser
 from .config import SetupError, TrainConfig
@@ -51,7 +52,26 @@ __all__ = ["SetupError", "Trainer", "TrainingStopped", "main"]
 
 
 class TrainingStopped(RuntimeError):
-    pass
+    """Training stopped on purpose (a non-finite loss or gradient): decided on every rank alike."""
+
+
+def agreed(fn: Any) -> Any:
+    """Run a set-up step on every rank and agree on its outcome: when any rank fails, every rank raises the same
+    `SetupError` (the first failing rank's message, naming that rank), so that it is reported once and no rank
+    waits for another that has left. Only for steps without collectives of their own."""
+    try:
+        result, failure = fn(), None
+    except (OSError, ValueError) as e:  # SetupError is a ValueError
+        result, failure = None, str(e)
+    failures: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    found = [(rank, f) for rank, f in enumerate(failures) if f is not None]
+    if found:
+        rank, message = found[0]
+        error = SetupError(message + (f" (found on rank {rank})" if dist.get_world_size() > 1 else ""))
+        error.agreed = True  # type: ignore[attr-defined]
+        raise error
+    return result
 
 
 def model_config(config: TrainConfig) -> Glm53Config:
@@ -133,11 +153,15 @@ def deepspeed_config(config: TrainConfig, world: int, gas: int) -> dict[str, Any
     return ds
 
 
-def _or_setup_error(fn: Any) -> Any:
+def _or_setup_error(fn: Any, alike: bool = False) -> Any:
+    """`fn()`, its OSError / ValueError as a `SetupError`; `alike`: a collective step whose failure every rank
+    raises together (reported once)."""
     try:
         return fn()
     except (OSError, ValueError) as e:
-        raise SetupError(str(e)) from e
+        error = SetupError(str(e))
+        error.agreed = alike  # type: ignore[attr-defined]
+        raise error from e
 
 
 def _recompute(mode: str) -> dict[str, Any]:
@@ -162,6 +186,12 @@ class Trainer:
         self.last: dict[str, Any] = {}
         self.writer: MetricsWriter | None = None
         self.progress: tqdm | None = None
+        self.save_lock: DirectoryLock | None = None
+
+    def close(self) -> None:
+        """Release what the run holds (the --save lock); every exit path."""
+        if self.save_lock is not None:
+            self.save_lock.release()
 
     # ------------------------------------------------------------------ set-up
     def setup(self) -> None:
@@ -189,24 +219,26 @@ class Trainer:
         cache_dir = os.path.join(c.output_dir, "data_cache")
 
         def stream() -> SampleStream | PackedRowStream:
-            return open_stream(
-                c.data, tokenizer, c.tokenizer, cache_dir, c.seq_length, c.seed, cfg.vocab_size, c.pack
-            )
+            return open_stream(c.data, tokenizer, cache_dir, c.seq_length, c.seed, cfg.vocab_size, c.pack)
 
+        if c.save:  # one writer per checkpoint directory (rank 0 holds the lock for the run)
+            lock = self.save_lock = DirectoryLock(c.save, "--save")
+            notice = agreed(lambda: lock.acquire() if self.rank == 0 else None)
+            if notice:
+                print(notice, file=sys.stderr)
+        first = agreed(stream if self.rank == 0 else lambda: None)  # the others wait for rank 0's cache
+        later = agreed(stream if self.rank != 0 else lambda: None)
+        self.stream = first if self.rank == 0 else later
         if self.rank == 0:
-            self.stream = _or_setup_error(stream)
-        dist.barrier()
-        if self.rank != 0:
-            self.stream = _or_setup_error(stream)
-        load_tag = _or_setup_error(lambda: verify_checkpoint(c.load, c.load_tag)) if c.load else None
+            for notice in self.stream.notices:
+                print(notice, file=sys.stderr)
+        load_tag = _or_setup_error(lambda: verify_checkpoint(c.load, c.load_tag), alike=True) if c.load else None
         if (
             c.load
         ):  # another model config, or another layout without layout-free state: refused before any work
             here = layout_record(self.world, c.ep, c.etp, c.sp, self.ds_config.get("zero_optimization", {}).get("stage", 0),
                                  bool(self.ds_config.get("bf16", {}).get("enabled")))  # fmt: skip
-            _or_setup_error(
-                lambda: check_checkpoint_fits(c.load, str(load_tag), cfg, here, c.load_model_only)
-            )
+            agreed(lambda: check_checkpoint_fits(c.load, str(load_tag), cfg, here, c.load_model_only))
 
         self.layout = init_layout(c.ep, c.etp, cfg, sp=c.sp)
         # the sample stream this rank reads: every rank of an SP group reads the same rows
@@ -246,7 +278,11 @@ class Trainer:
                              "(consumed samples); it predates this trainer")  # fmt: skip
         self.consumed = int(client["consumed_samples"])
         stored = client.get("data", {})
-        differ = {k: (v, stored.get(k)) for k, v in self.stream.identity.items() if stored.get(k) != v}
+        unrecorded = [k for k in self.stream.identity if k not in stored]
+        if unrecorded and self.rank == 0:  # saved before glm53_ds recorded them
+            print(f"--load {self.config.load}: the checkpoint does not record the data's {', '.join(unrecorded)}; "
+                  "those are not checked", file=sys.stderr)  # fmt: skip
+        differ = {k: (v, stored[k]) for k, v in self.stream.identity.items() if k in stored and stored[k] != v}
         if differ:
             shown = ", ".join(
                 f"{k} {now} here, {then} in the checkpoint" for k, (now, then) in differ.items()
@@ -446,18 +482,37 @@ def format_record(record: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
+def report_error(error: Exception, lead: str = "") -> None:
+    """One `error:` line per failure, not one per rank: a failure every rank finds alike (before the process group
+    exists: every rank of a node reads the same files; after it: `agreed` steps and training stops) is printed by
+    rank 0 (local rank 0 before the group exists); one that a rank found alone is printed by it, naming it."""
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        alike = isinstance(error, TrainingStopped) or getattr(error, "agreed", False)
+    else:
+        rank, world, alike = int(os.environ.get("LOCAL_RANK", "0")), 1, True
+    if alike and rank != 0:
+        return
+    where = f"rank {rank}: " if not alike and world > 1 else ""
+    print(f"{lead}error: {where}{error}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    trainer: Trainer | None = None
     try:
-        last = Trainer(TrainConfig.from_args(args)).run()
+        trainer = Trainer(TrainConfig.from_args(args))
+        last = trainer.run()
         if dist.is_initialized() and dist.get_rank() == 0 and last:
             print("final: " + format_record(last))
         return 0
     except SetupError as e:
-        print(f"error: {e}", file=sys.stderr)
+        report_error(e)
         return 2
     except TrainingStopped as e:
-        print(f"\nerror: {e}", file=sys.stderr)  # after the progress bar's line
+        report_error(e, lead="\n")  # after the progress bar's line
         return 3
     finally:  # every rank reaches here together: refusals and stops are decided on all ranks alike
+        if trainer is not None:
+            trainer.close()
         close_distributed()
