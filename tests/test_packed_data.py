@@ -163,9 +163,7 @@ def test_two_ranks_two_accumulation_steps_equal_one_process_on_the_global_batch(
     assert a["target_tokens"] == b["target_tokens"]
     assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-5 * b["lm_loss"], (a, b)
     assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"], (a, b)
-    stream = open_stream(
-        CHAT, ByteTokenizer(), str(tmp_path / "one" / "data_cache"), 64, 3, 300, False
-    )
+    stream = open_stream(CHAT, ByteTokenizer(), str(tmp_path / "one" / "data_cache"), 64, 3, 300, False)
     per_row = [int((stream.micro_batch(0, 0, r, 4, 1).labels[0, 1:] != IGNORE_INDEX).sum()) for r in range(4)]
     assert len(set(per_row)) > 1, per_row  # unequal targets: a mean of means would differ
 

@@ -9,12 +9,14 @@ converted one (`hf-to-native`). Exit status 0 when complete, 1 when damaged or i
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 
 from ..config import Glm53Config
 from ..safe_io import read_manifest, unlisted_files, verify_files
 from .native_format import expert_set_name, read_layout
+from .safetensors_file import check_plain_file_name
 
 
 def _tag_dir(path: str, tag: str | None) -> str:
@@ -62,6 +64,15 @@ def describe_checkpoint(path: str, tag: str | None = None, out: Callable[..., ob
                          for t in range(etp)] if f"optimizer_{s}.index.json" not in names]  # fmt: skip
         if missing_state:
             problems.append(f"layout-free optimizer state missing: {', '.join(missing_state)}")
+    for index in sorted(
+        n for n in names if n.endswith(".index.json")
+    ):  # every set's files inside the checkpoint
+        try:
+            with open(os.path.join(model_dir, index), encoding="utf-8") as f:
+                for file_name in set(json.load(f)["weight_map"].values()):
+                    check_plain_file_name(file_name, model_dir)
+        except (ValueError, KeyError, AttributeError) as e:
+            problems.append(f"{index}: {e}")
     out(f"  model files: replicated set + {ep * etp - len(missing_sets)}/{ep * etp} expert shards")
     partitions = (
         sorted(n for n in os.listdir(root) if n.endswith("optim_states.pt")) if root != model_dir else []

@@ -70,7 +70,9 @@ class NativeCheckpoint:
         problems = [f"{p} is not in the manifest" for p in paths if p not in self._manifest]
         problems += verify_files(self._tag_dir, self._manifest, [p for p in paths if p in self._manifest])
         if problems:
-            raise ConversionError(f"checkpoint {self._tag_dir} is damaged or incomplete: " + "; ".join(problems[:10]))
+            raise ConversionError(
+                f"checkpoint {self._tag_dir} is damaged or incomplete: " + "; ".join(problems[:10])
+            )
 
     def _open(self, name: str) -> ShardReader:
         self._check(f"{name}.index.json")

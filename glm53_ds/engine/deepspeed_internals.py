@@ -50,7 +50,9 @@ from .fp32_params import Fp32Params
 # [low, high): the versions these patches were written against
 SUPPORTED = (Version("0.19.8"), Version("0.20.0"))
 FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # torch: weights_only even where False is passed
-FORCE_NO_WEIGHTS_ONLY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"  # torch: never weights_only (ignored for checkpoints)
+FORCE_NO_WEIGHTS_ONLY = (
+    "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"  # torch: never weights_only (ignored for checkpoints)
+)
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,9 @@ class TrainConfig:
     load: str | None = None
     load_tag: str | None = None
     load_model_only: bool = False  # --load's weights only: fresh optimizer state, step 0, data from the start
-    save_into_existing: bool = False  # a run not resuming from --save may still write there (replacing same-name tags)
+    save_into_existing: bool = (
+        False  # a run not resuming from --save may still write there (replacing same-name tags)
+    )
     export_hf: str | None = None
     force: bool = (
         False  # --export-hf may write into an existing non-empty directory (replacing only its files)
@@ -197,13 +199,14 @@ class TrainConfig:
         except OutputPathError as e:
             raise SetupError(str(e)) from e
 
-
     def check_save_is_this_runs(self) -> None:
         """A `--save` holding checkpoints belongs to the run that wrote them: only a run resuming from it (`--load`
         the same directory) continues there, or one told to with --save-into-existing; anything else would replace
         that run's tags of the same name and move its `latest`."""
         tags = published_tags(self.save or "")
-        resumes_here = self.load is not None and os.path.realpath(self.load) == os.path.realpath(self.save or "")
+        resumes_here = self.load is not None and os.path.realpath(self.load) == os.path.realpath(
+            self.save or ""
+        )
         if tags and not resumes_here and not self.save_into_existing:
             latest = os.path.join(self.save or "", "latest")
             shown = ", ".join(tags[:6]) + (f", ... ({len(tags)} tags)" if len(tags) > 6 else "")

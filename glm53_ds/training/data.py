@@ -241,7 +241,10 @@ def open_stream(
         return SampleStream(resolve_dataset(data, tokenizer, cache_dir), seq_length, seed, vocab_size)
     source = data if chat else resolve_dataset(data, tokenizer, cache_dir)
     key = _cache_key(
-        [source] if chat else _dataset_files(source), tokenizer.fingerprint, seq_length, "chat" if chat else "pack"
+        [source] if chat else _dataset_files(source),
+        tokenizer.fingerprint,
+        seq_length,
+        "chat" if chat else "pack",
     )
     directory = os.path.join(cache_dir, f"{os.path.basename(data)}.{key}.packed")
     if not os.path.isfile(os.path.join(directory, "meta.json")):

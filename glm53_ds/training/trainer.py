@@ -204,17 +204,21 @@ class Trainer:
             )
         init_distributed()
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
-        try:
-            validate_layout(self.world, c.ep, c.etp, cfg, sp=c.sp, seq_length=c.seq_length)
-            if c.sp > 1 and c.indexer_loss_coef > 0:
-                raise ValueError(
-                    f"--indexer-loss-coef {c.indexer_loss_coef}: the DSA indexer loss is not supported under "
-                    "sequence parallelism; set it to 0"
-                )
-        except ValueError as e:
-            raise SetupError(f"--ep {c.ep} --etp {c.etp} --sp {c.sp}: {e}") from e
-        self.gas = gradient_accumulation(c, self.world)
-        self.ds_config = deepspeed_config(c, self.world, self.gas)
+
+        def check_layout() -> None:  # the same inputs on every rank: a failure is every rank's
+            try:
+                validate_layout(self.world, c.ep, c.etp, cfg, sp=c.sp, seq_length=c.seq_length)
+                if c.sp > 1 and c.indexer_loss_coef > 0:
+                    raise ValueError(
+                        f"--indexer-loss-coef {c.indexer_loss_coef}: the DSA indexer loss is not supported under "
+                        "sequence parallelism; set it to 0"
+                    )
+            except ValueError as e:
+                raise SetupError(f"--ep {c.ep} --etp {c.etp} --sp {c.sp}: {e}") from e
+            self.gas = gradient_accumulation(c, self.world)
+            self.ds_config = deepspeed_config(c, self.world, self.gas)
+
+        _or_setup_error(check_layout, alike=True)
         # Rank 0 tokenizes (and packs) once; the others wait, then every rank reads the same cache.
         cache_dir = os.path.join(c.output_dir, "data_cache")
 
@@ -232,7 +236,9 @@ class Trainer:
         if self.rank == 0:
             for notice in self.stream.notices:
                 print(notice, file=sys.stderr)
-        load_tag = _or_setup_error(lambda: verify_checkpoint(c.load, c.load_tag), alike=True) if c.load else None
+        load_tag = (
+            _or_setup_error(lambda: verify_checkpoint(c.load, c.load_tag), alike=True) if c.load else None
+        )
         if (
             c.load
         ):  # another model config, or another layout without layout-free state: refused before any work
@@ -282,7 +288,9 @@ class Trainer:
         if unrecorded and self.rank == 0:  # saved before glm53_ds recorded them
             print(f"--load {self.config.load}: the checkpoint does not record the data's {', '.join(unrecorded)}; "
                   "those are not checked", file=sys.stderr)  # fmt: skip
-        differ = {k: (v, stored[k]) for k, v in self.stream.identity.items() if k in stored and stored[k] != v}
+        differ = {
+            k: (v, stored[k]) for k, v in self.stream.identity.items() if k in stored and stored[k] != v
+        }
         if differ:
             shown = ", ".join(
                 f"{k} {now} here, {then} in the checkpoint" for k, (now, then) in differ.items()
@@ -424,7 +432,9 @@ class Trainer:
         client = {"step": step, "consumed_samples": self.consumed, "data": self.stream.identity,
                   "rng": torch.get_rng_state()}  # fmt: skip
         try:
-            self.last_saved = save_checkpoint(self.engine, self.config.save, f"step{step}", client_state=client)
+            self.last_saved = save_checkpoint(
+                self.engine, self.config.save, f"step{step}", client_state=client
+            )
         except CheckpointError as e:  # non-finite weights: decided on every rank alike
             raise TrainingStopped(f"{e}. {self._last_good()}") from e
 
