@@ -36,7 +36,10 @@ def _cases(calm: str, etp: int) -> list[dict]:
     cases = [
         dict(stage=0, optimizer="sgd", patch=True),
         dict(stage=1, optimizer="adamw", patch=True, lr=LR_ADAM),
-        dict(stage=2, optimizer="sgd", patch=True, overlap_comm=True, gas=2),
+        # accumulation over the chaotic full-scale checkpoint amplifies fp32 rounding past the SGD bound on some
+        # CPUs (AMD EPYC + MKL: layer 0's q_proj 3.3e-4 after two steps at every stage, overlap or not; 9.1e-8 on
+        # the calm checkpoint): what is measured here is the reduction, so it runs on the calm one
+        dict(stage=2, optimizer="sgd", patch=True, overlap_comm=True, gas=2, ckpt=calm),
         dict(stage=2, optimizer="adamw", patch=True, lr=LR_ADAM),
         dict(stage=0, optimizer="sgd", patch=True, dtype="bf16", ckpt=calm),
         dict(stage=1, optimizer="sgd", patch=True, dtype="bf16", bf16_optimizer=True, gas=2, ckpt=calm),

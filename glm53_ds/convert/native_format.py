@@ -123,6 +123,15 @@ class ShardReader:
             yield key, self.get(key)
 
 
+def latest_tag(load_dir: str) -> str:
+    """The tag `<load_dir>/latest` names (the one reading of that file)."""
+    path = os.path.join(load_dir, "latest")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint in {load_dir!r}: the file 'latest' is missing")
+    with open(path, encoding="utf-8") as f:
+        return f.read().strip()
+
+
 def write_layout(directory: str, meta: dict) -> None:
     path = os.path.join(directory, "layout.json")
     tmp = path + f".tmp{os.getpid()}"

@@ -50,6 +50,7 @@ from ..convert.native_format import (
     ShardReader,
     ShardWriter,
     expert_set_name,
+    latest_tag,
     read_layout,
     write_index,
     write_layout,
@@ -284,14 +285,6 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str, client_state: dict | N
     return final
 
 
-def latest_tag(load_dir: str) -> str:
-    path = os.path.join(load_dir, "latest")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"no checkpoint in {load_dir!r}: the file 'latest' is missing")
-    with open(path, encoding="utf-8") as f:
-        return f.read().strip()
-
-
 def verify_checkpoint(load_dir: str, tag: str | None = None) -> str:
     """Check `<load_dir>/<tag or latest>` against its manifest before anything is read (collective: each rank
     checksums a share); returns the tag. A `CheckpointError` names every problem."""
@@ -326,6 +319,16 @@ def verify_checkpoint(load_dir: str, tag: str | None = None) -> str:
         )
         raise CheckpointError(f"checkpoint {tag_dir} is damaged or incomplete: {shown}")
     return tag
+
+
+def read_client_state(load_dir: str, tag: str) -> dict[str, Any]:
+    """The trainer's state a checkpoint records (step, consumed samples, global batch, data identity, RNG), read
+    safely; empty for a converted (model-only) checkpoint."""
+    path = os.path.join(load_dir, tag, "glm53", CLIENT_STATE)
+    if not os.path.isfile(path):
+        return {}
+    with weights_only_loads():
+        return dict(torch.load(path, map_location="cpu", weights_only=True))
 
 
 def check_checkpoint_fits(
@@ -478,8 +481,7 @@ def load_checkpoint(
     side = getattr(engine, "glm53_fp32_params", None)
     if portable:
         _load_portable_optimizer(engine, sets, int(meta["optimizer_state"]["step"]), saved_dtypes)
-        with weights_only_loads():
-            client_state = torch.load(os.path.join(root, CLIENT_STATE), map_location="cpu", weights_only=True)
+        client_state = read_client_state(load_dir, tag)
     elif not model_only:
         if side is not None:
             with weights_only_loads():

@@ -16,8 +16,10 @@ import os
 import re
 from dataclasses import dataclass
 
+from ..config import Glm53Config
+from ..convert.native_format import latest_tag, read_layout
 from ..safe_io import OutputPathError, check_output_dir, published_tags
-from .presets import DEFAULT_ROUTER_BIAS_UPDATE_RATE, PRESET_ROUTER_BIAS_UPDATE_RATE, PRESETS
+from .presets import DEFAULT_ROUTER_BIAS_UPDATE_RATE, PRESET_ROUTER_BIAS_UPDATE_RATE, PRESETS, preset
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_DATA = os.path.join(REPO_ROOT, "data", "tiny_corpus.txt")
@@ -83,13 +85,6 @@ class TrainConfig:
     tensorboard_dir: str | None = None
     deepspeed_config: str | None = None
 
-    @property
-    def preset(self) -> str | None:
-        """The preset the run builds, or None when the model comes from --hf-dir or a config file."""
-        if self.hf_dir or (self.model_config and self.model_config not in PRESETS):
-            return None
-        return self.model_config or "tiny"
-
     def lr_at(self, step: int) -> float:
         """Linear warmup to --lr over --warmup steps, then cosine decay to --min-lr at --train-iters."""
         if self.warmup > 0 and step < self.warmup:
@@ -109,25 +104,27 @@ class TrainConfig:
         given["no_mtp"] = bool(getattr(args, "no_mtp", False))
         given["force"] = bool(getattr(args, "force", False))
         given["save_into_existing"] = bool(getattr(args, "save_into_existing", False))
-        hf_dir, model_config = given.get("hf_dir"), given.get("model_config")
-        preset = (
-            None if hf_dir or (model_config and model_config not in PRESETS) else (model_config or "tiny")
-        )
+        hf_dir = given.get("hf_dir")
         given.setdefault("tokenizer", hf_dir if hf_dir else "bytes")
-        given.setdefault(
-            "router_bias_update_rate",
-            PRESET_ROUTER_BIAS_UPDATE_RATE.get(preset or "", DEFAULT_ROUTER_BIAS_UPDATE_RATE),
-        )
-        if "output_dir" not in given:
-            name = preset or (
-                "hf" if hf_dir else os.path.splitext(os.path.basename(model_config or "model"))[0]
-            )
-            given["output_dir"] = os.path.join("runs", name)
         config = cls(**given)
-        config.validate()
+        config.validate_inputs()
+        # defaults that follow the model, whichever route it came by (--hf-dir, --model-config, --load)
+        _, name = resolve_model(config.hf_dir, config.model_config, config.load, config.load_tag)
+        if "router_bias_update_rate" not in given:
+            rate = PRESET_ROUTER_BIAS_UPDATE_RATE.get(name, DEFAULT_ROUTER_BIAS_UPDATE_RATE)
+            config = dataclasses.replace(config, router_bias_update_rate=rate)
+        if "output_dir" not in given:
+            config = dataclasses.replace(config, output_dir=os.path.join("runs", name))
+        config.check_output_paths()
         return config
 
     def validate(self) -> None:
+        self.validate_inputs()
+        self.check_output_paths()
+
+    def validate_inputs(self) -> None:
+        """Every option but the output paths (those follow once the defaults are resolved)."""
+
         def positive(name: str, value: int) -> None:
             if value < 1:
                 raise SetupError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -165,7 +162,7 @@ class TrainConfig:
                 f"--model-config {self.model_config!r}: not a file and not a preset {sorted(PRESETS)}"
             )
         for option, path in (("--hf-dir", self.hf_dir and os.path.join(self.hf_dir, "config.json")),
-                             ("--model-config", self.preset is None and not self.hf_dir and self.model_config)):  # fmt: skip
+                             ("--model-config", not self.hf_dir and self.model_config not in PRESETS and self.model_config)):  # fmt: skip
             if path:
                 check_model_config_file(option, path)
         if self.load:
@@ -178,7 +175,6 @@ class TrainConfig:
                 raise SetupError(f"--load {self.load!r}: no checkpoint there (the file 'latest' is missing)")
         if self.deepspeed_config and not os.path.isfile(self.deepspeed_config):
             raise SetupError(f"--deepspeed_config {self.deepspeed_config!r}: no such file")
-        self.check_output_paths()
 
     def check_output_paths(self) -> None:
         """Where this run writes, checked before any work (safe_io.check_output_dir): nothing it writes may land
@@ -220,6 +216,41 @@ class TrainConfig:
                 "or pass --save-into-existing"
             )
 
+
+def resolve_model(
+    hf_dir: str | None, model_config: str | None, load: str | None, load_tag: str | None
+) -> tuple[Glm53Config, str]:
+    """(the model config the run builds, its name). The config: --hf-dir's config.json, else --model-config (a
+    file or a preset), else the one --load's checkpoint records (a converted or training checkpoint trains as
+    itself), else the tiny preset. The name (runs/<name>, the preset defaults) comes from the model, not from the
+    route: the preset it equals, whichever way it came; else its source's base name."""
+    if hf_dir:
+        cfg, name = Glm53Config.from_hf(hf_dir), os.path.basename(os.path.normpath(hf_dir))
+    elif model_config and model_config not in PRESETS:
+        cfg = Glm53Config.from_hf(model_config)
+        name = os.path.splitext(os.path.basename(model_config))[0]
+    elif model_config:
+        cfg, name = preset(model_config), model_config
+    elif load:
+        root = os.path.join(load, load_tag or latest_tag(load), "glm53")
+        try:
+            stored = read_layout(root).get("config")
+        except (OSError, ValueError) as e:
+            raise SetupError(f"--load {load!r}: {e}") from e
+        if not stored:
+            raise SetupError(
+                f"--load {load!r}: the checkpoint does not record its model config; give --model-config"
+            )
+        cfg, name = Glm53Config.from_text_dict(stored), os.path.basename(os.path.normpath(load))
+    else:
+        cfg, name = preset("tiny"), "tiny"
+    mine = {k: v for k, v in cfg.to_text_dict().items() if k not in RUN_FIELDS}
+    same = [n for n, make in PRESETS.items() if {k: v for k, v in make().to_text_dict().items() if k not in RUN_FIELDS} == mine]  # fmt: skip
+    return cfg, same[0] if same else name
+
+
+# Config fields a run may set itself (they do not make another model).
+RUN_FIELDS = frozenset({"mtp_loss_weight"})
 
 # Keys a config.json must give (transformers would fall back to the released sizes without a word).
 REQUIRED_CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")

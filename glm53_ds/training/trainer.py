@@ -23,6 +23,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..config import Glm53Config
+from ..convert.native_format import ShardReader
 from ..engine import (
     NonFiniteGradientError,
     build_engine,
@@ -33,7 +34,13 @@ from ..engine import (
     save_checkpoint,
 )
 from ..engine.build import describe_param_groups, set_learning_rate
-from ..engine.checkpoint import CheckpointError, check_checkpoint_fits, layout_record, verify_checkpoint
+from ..engine.checkpoint import (
+    CheckpointError,
+    check_checkpoint_fits,
+    layout_record,
+    read_client_state,
+    verify_checkpoint,
+)
 from ..hf_loader import SafetensorsCheckpoint, checkpoint_has_mtp, load_hf_state_into
 from ..layers.moe import update_router_bias
 from ..model import Glm53Model, LossParts
@@ -42,11 +49,10 @@ from ..parallel.replicas import check_replicas
 from ..safe_io import DirectoryLock
 from ..transformer_config import make_transformer_config
 from .args import build_parser
-from .config import SetupError, TrainConfig
+from .config import SetupError, TrainConfig, resolve_model
 from .data import SampleStream, load_tokenizer, open_stream
 from .metrics import MetricsWriter, plot_loss
 from .packing import Batch, PackedRowStream
-from .presets import preset
 
 __all__ = ["SetupError", "Trainer", "TrainingStopped", "main"]
 
@@ -75,12 +81,9 @@ def agreed(fn: Any) -> Any:
 
 
 def model_config(config: TrainConfig) -> Glm53Config:
-    if config.hf_dir:
-        cfg = Glm53Config.from_hf(config.hf_dir)
-    elif config.preset is None and config.model_config:
-        cfg = Glm53Config.from_hf(config.model_config)
-    else:
-        cfg = preset(config.preset or "tiny")
+    """The model the run builds (`resolve_model`: --hf-dir, --model-config, --load's own, or tiny), with the run's
+    MTP choices."""
+    cfg, _ = resolve_model(config.hf_dir, config.model_config, config.load, config.load_tag)
     if config.mtp_loss_weight is not None:
         cfg = cfg.replace(mtp_loss_weight=config.mtp_loss_weight)
     if config.no_mtp:
@@ -88,15 +91,15 @@ def model_config(config: TrainConfig) -> Glm53Config:
     return cfg
 
 
-def gradient_accumulation(config: TrainConfig, world: int) -> int:
+def gradient_accumulation(config: TrainConfig, world: int, global_batch: int) -> int:
     """Micro-batches per step: global batch = micro batch x (world / SP) x GAS (an SP group reads one set)."""
     data_world = world // config.sp
     per_step = config.micro_batch_size * data_world
-    global_batch = config.global_batch_size or per_step
     if global_batch % per_step:
         readers = f"world size {world}" if config.sp == 1 else f"(world size {world} / --sp {config.sp})"
+        given = "--global-batch-size" if config.global_batch_size else "the checkpoint's global batch"
         raise SetupError(
-            f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size {config.micro_batch_size} "
+            f"{given} {global_batch} is not a multiple of --micro-batch-size {config.micro_batch_size} "
             f"x {readers} = {per_step}"
         )
     return global_batch // per_step
@@ -181,6 +184,10 @@ class Trainer:
         self.data_world, self.data_rank, self.sp_rank = 1, 0, 0  # set in setup()
         self.stream: SampleStream | PackedRowStream | None = None
         self.start_step = 0
+        self.load_tag: str | None = None  # --load's tag, verified in setup()
+        self.global_batch = (
+            0  # sequences per step (set in setup(): given, the checkpoint's, or micro x readers)
+        )
         self.consumed = 0  # samples of the run read so far (the data position checkpoints store)
         self.last_saved: str | None = None
         self.last: dict[str, Any] = {}
@@ -204,6 +211,9 @@ class Trainer:
             )
         init_distributed()
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        if c.load:  # the whole tag checked before anything of it is read
+            self.load_tag = _or_setup_error(lambda: verify_checkpoint(c.load, c.load_tag), alike=True)
+        saved_batch = self._saved_global_batch()
 
         def check_layout() -> None:  # the same inputs on every rank: a failure is every rank's
             try:
@@ -215,7 +225,10 @@ class Trainer:
                     )
             except ValueError as e:
                 raise SetupError(f"--ep {c.ep} --etp {c.etp} --sp {c.sp}: {e}") from e
-            self.gas = gradient_accumulation(c, self.world)
+            self.global_batch = (
+                c.global_batch_size or saved_batch or c.micro_batch_size * (self.world // c.sp)
+            )
+            self.gas = gradient_accumulation(c, self.world, self.global_batch)
             self.ds_config = deepspeed_config(c, self.world, self.gas)
 
         _or_setup_error(check_layout, alike=True)
@@ -236,15 +249,12 @@ class Trainer:
         if self.rank == 0:
             for notice in self.stream.notices:
                 print(notice, file=sys.stderr)
-        load_tag = (
-            _or_setup_error(lambda: verify_checkpoint(c.load, c.load_tag), alike=True) if c.load else None
-        )
         if (
             c.load
         ):  # another model config, or another layout without layout-free state: refused before any work
             here = layout_record(self.world, c.ep, c.etp, c.sp, self.ds_config.get("zero_optimization", {}).get("stage", 0),
                                  bool(self.ds_config.get("bf16", {}).get("enabled")))  # fmt: skip
-            agreed(lambda: check_checkpoint_fits(c.load, str(load_tag), cfg, here, c.load_model_only))
+            agreed(lambda: check_checkpoint_fits(c.load, str(self.load_tag), cfg, here, c.load_model_only))
 
         self.layout = init_layout(c.ep, c.etp, cfg, sp=c.sp)
         # the sample stream this rank reads: every rank of an SP group reads the same rows
@@ -261,7 +271,7 @@ class Trainer:
                 file=sys.stderr,
             )
         if c.load:
-            client = _or_setup_error(lambda: load_checkpoint(self.engine, c.load, tag=load_tag, verify=False,
+            client = _or_setup_error(lambda: load_checkpoint(self.engine, c.load, tag=self.load_tag, verify=False,
                                                              model_only=c.load_model_only))  # fmt: skip
             self._resume(client)
         if self.rank == 0:
@@ -271,13 +281,32 @@ class Trainer:
             self.progress = tqdm(total=c.train_iters, initial=self.start_step, desc="train", dynamic_ncols=True,
                                  file=sys.stderr)  # fmt: skip
 
+    def _saved_global_batch(self) -> int | None:
+        """The global batch the --load checkpoint trained with (a training checkpoint resumed whole), which the run
+        keeps unless --global-batch-size gives another (announced in one line). Checkpoints saved before it was
+        recorded: consumed samples / steps."""
+        c = self.config
+        if not c.load or c.load_model_only:
+            return None
+        client = _or_setup_error(lambda: read_client_state(c.load, str(self.load_tag)), alike=True)
+        step, consumed = int(client.get("step", 0)), int(client.get("consumed_samples", 0))
+        saved = client.get("global_batch_size") or (
+            consumed // step if step and consumed % step == 0 else None
+        )
+        if saved and c.global_batch_size and c.global_batch_size != saved and self.rank == 0:
+            print(f"--global-batch-size {c.global_batch_size}: the checkpoint trained with {saved} sequences per "
+                  f"step; this run continues with {c.global_batch_size}", file=sys.stderr)  # fmt: skip
+        return int(saved) if saved else None
+
     def _resume(self, client: dict[str, Any]) -> None:
         """Step, data position (consumed samples), RNG from a training checkpoint; a converted (model-only) one
         starts at step 0. A checkpoint whose sample order differs from this run's is refused: resuming it would
         re-read or skip samples."""
         assert self.stream is not None
         self.start_step = int(client.get("step", 0))
+        where = os.path.join(self.config.load or "", str(self.load_tag))
         if self.start_step == 0:
+            self._say(f"loaded the weights of {where} (fresh optimizer state, step 0, data from the start)")
             return
         if "consumed_samples" not in client:
             raise SetupError(f"--load {self.config.load}: the checkpoint does not record its data position "
@@ -302,6 +331,8 @@ class Trainer:
             )
         if "rng" in client:
             torch.set_rng_state(client["rng"])
+        self._say(f"resumed from {where}: step {self.start_step}, {self.consumed} consumed samples, global batch "
+                  f"{self.global_batch}")  # fmt: skip
 
     def _build_model(self) -> Glm53Model:
         c, cfg = self.config, self.cfg
@@ -315,8 +346,11 @@ class Trainer:
         torch.manual_seed(c.seed)
         use_mtp = cfg.num_nextn_predict_layers > 0
         checkpoint = SafetensorsCheckpoint(c.hf_dir) if c.hf_dir else None
-        if checkpoint is not None:
+        if checkpoint is not None:  # MTP follows what the weights hold
             use_mtp = use_mtp and checkpoint_has_mtp(checkpoint.keys(), cfg)
+        elif c.load:
+            replicated = ShardReader(os.path.join(c.load, str(self.load_tag), "glm53"), "replicated")
+            use_mtp = use_mtp and any(k.startswith("mtp.") for k in replicated.keys())
         model = Glm53Model(tconfig, mtp=use_mtp, pg_collection=self.layout.pg_collection)
         if checkpoint is not None:
             load_hf_state_into(model, checkpoint, mtp=use_mtp)  # each rank reads only its expert shard
@@ -429,14 +463,20 @@ class Trainer:
     def save(self, step: int) -> None:
         assert self.layout is not None and self.stream is not None and self.config.save
         check_replicas(self.engine.module, self.layout)
-        client = {"step": step, "consumed_samples": self.consumed, "data": self.stream.identity,
-                  "rng": torch.get_rng_state()}  # fmt: skip
+        client = {"step": step, "consumed_samples": self.consumed, "global_batch_size": self.global_batch,
+                  "data": self.stream.identity, "rng": torch.get_rng_state()}  # fmt: skip
         try:
             self.last_saved = save_checkpoint(
                 self.engine, self.config.save, f"step{step}", client_state=client
             )
         except CheckpointError as e:  # non-finite weights: decided on every rank alike
             raise TrainingStopped(f"{e}. {self._last_good()}") from e
+        self._say(f"saved {self.last_saved} (step {step}, {self.consumed} consumed samples)")
+
+    def _say(self, line: str) -> None:
+        """One line of what the run did (rank 0), under the progress bar."""
+        if self.rank == 0:
+            tqdm.write(line, file=sys.stderr)
 
     def _log(self, record: dict[str, Any]) -> None:
         self.last = record
@@ -444,7 +484,7 @@ class Trainer:
             self.writer.write(record)
         if self.progress is not None:
             self.progress.update(1)
-            self.progress.set_postfix(loss=f"{record['lm_loss']:.3f}", lr=f"{record['lr']:.2e}")
+            self.progress.set_postfix(lm_loss=f"{record['lm_loss']:.3f}", lr=f"{record['lr']:.2e}")
             if self.config.log_interval and record["step"] % self.config.log_interval == 0:
                 self.progress.write(format_record(record))
 
@@ -464,6 +504,7 @@ class Trainer:
                 plot_loss(self.writer.path, os.path.join(c.output_dir, "loss.png"))
         if c.export_hf:
             export_engine_to_hf(self.engine, self.cfg, c.export_hf, template=c.hf_dir, force=c.force)
+            self._say(f"exported {c.export_hf} (transformers layout, step {c.train_iters})")
 
     def run(self) -> dict[str, Any]:
         self.setup()
@@ -480,15 +521,17 @@ class Trainer:
 
 
 def format_record(record: dict[str, Any]) -> str:
-    parts = [f"step {record['step']}", f"loss {record['lm_loss']:.4f}"]
+    """A metrics record as a log line, under the names metrics.jsonl and TensorBoard use (`loss` is the total that
+    is trained: lm_loss + mtp_loss_weight x mtp_loss (+ auxiliary losses))."""
+    parts = [f"step {record['step']}", f"lm_loss {record['lm_loss']:.4f}"]
     if "mtp_loss" in record:
-        parts.append(f"mtp {record['mtp_loss']:.4f}")
-    parts.append(f"lr {record['lr']:.2e}")
+        parts.append(f"mtp_loss {record['mtp_loss']:.4f}")
+    parts += [f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}"]
     if record.get("grad_norm") is not None:
-        parts.append(f"grad norm {record['grad_norm']:.3f}")
+        parts.append(f"grad_norm {record['grad_norm']:.3f}")
     parts.append(f"{record['tokens_per_s']:.0f} tok/s")
     if record.get("moe_imbalance") is not None:
-        parts.append(f"MoE max/mean {record['moe_imbalance']:.2f}")
+        parts.append(f"moe_imbalance {record['moe_imbalance']:.2f}")
     return " | ".join(parts)
 
 
