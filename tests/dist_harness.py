@@ -88,7 +88,7 @@ def _launch(world: int, scenario: str, out_dir: str, timeout: float, kwargs: dic
     return payloads
 
 
-def run_world(world: int, scenario: str, out_dir: str, timeout: float = 600, **kwargs: Any) -> list[Any]:
+def run_world(world: int, scenario: str, out_dir: str, timeout: float = 1800, **kwargs: Any) -> list[Any]:
     """Run `tests.dist_scenarios.<scenario>(**kwargs)` on `world` ranks; every rank's result, in rank order.
 
     A rendezvous port taken between choosing and binding it (EADDRINUSE) is retried with a new port."""

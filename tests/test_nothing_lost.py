@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from glm53_ds import safe_io
-from tests.test_train import DIE_DURING_SAVE, ROOT, TRAIN, _tiny_hf_checkpoint, metrics
+from tests.test_train import DIE_DURING_SAVE, HANG_TIMEOUT, ROOT, TRAIN, _tiny_hf_checkpoint, metrics
 
 QUICK = ["--train-iters", "2", "--seq-length", "16"]
 
 
-def run(*args: str, script: str = TRAIN, timeout: int = 300) -> subprocess.CompletedProcess:
+def run(*args: str, script: str = TRAIN, timeout: int = HANG_TIMEOUT) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
 
@@ -204,7 +204,7 @@ def _peak_rss_mb(*args: str) -> float:
     code = ("import resource, sys; sys.path.insert(0, 'launch'); from glm53_ds.training.trainer import main; "
             f"rc = main({list(args)!r}); assert rc == 0, rc; "
             "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600,
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=HANG_TIMEOUT,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return float(proc.stdout.split("PEAK")[-1])

@@ -19,22 +19,32 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="glm53-convert", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     a = sub.add_parser("hf-to-native", help="released checkpoint -> training layout for --ep x --etp")
-    a.add_argument("--hf-dir", required=True)
-    a.add_argument("--out", required=True)
-    a.add_argument("--ep", type=int, default=1)
-    a.add_argument("--etp", type=int, default=1)
+    a.add_argument("--hf-dir", required=True, help="the released checkpoint (config.json + safetensors)")
+    a.add_argument(
+        "--out", required=True, help="the native checkpoint directory to write (whole, or not at all)"
+    )
+    a.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size the shards are cut for (default: 1)"
+    )
+    a.add_argument("--etp", type=int, default=1, help="expert-tensor-parallel size (default: 1)")
     a.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: keep each tensor's dtype")
-    a.add_argument("--force", action="store_true")
+    a.add_argument("--force", action="store_true", help="write into an existing non-empty --out (only the files "
+                   "written are replaced)")  # fmt: skip
     b = sub.add_parser("native-to-hf", help="training checkpoint -> directory transformers loads")
-    b.add_argument("--ckpt", required=True)
-    b.add_argument("--out", required=True)
+    b.add_argument(
+        "--ckpt", required=True, help="a training or converted checkpoint (its 'latest', a tag, or glm53/)"
+    )
+    b.add_argument("--out", required=True, help="the transformers directory to write (whole, or not at all)")
     b.add_argument(
         "--hf-template", default=None, help="released checkpoint to take vision tensors/config from"
     )
-    b.add_argument("--force", action="store_true")
+    b.add_argument("--tokenizer", default=None, help="'bytes' or a tokenizer directory whose files the export "
+                   "carries (default: --hf-template's; the export is loadable by AutoTokenizer only with one)")  # fmt: skip
+    b.add_argument("--force", action="store_true", help="write into an existing non-empty --out (only the files "
+                   "written are replaced)")  # fmt: skip
     c = sub.add_parser("verify", help="compare a released checkpoint and a native one")
-    c.add_argument("--hf-dir", required=True)
-    c.add_argument("--ckpt", required=True)
+    c.add_argument("--hf-dir", required=True, help="the released checkpoint")
+    c.add_argument("--ckpt", required=True, help="the native checkpoint to compare with it, tensor by tensor")
     d = sub.add_parser("describe", help="a checkpoint's layout and contents, and whether it is complete")
     d.add_argument("ckpt", help="a training or converted checkpoint directory (follows 'latest')")
     d.add_argument("--tag", default=None, help="a tag instead of 'latest'")
@@ -44,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
             hf_to_native(args.hf_dir, args.out, ep=args.ep, etp=args.etp, dtype=DTYPES.get(args.dtype or ""),
                          force=args.force, progress=True)  # fmt: skip
         elif args.command == "native-to-hf":
-            native_to_hf(args.ckpt, args.out, hf_template=args.hf_template, force=args.force, progress=True)
+            native_to_hf(args.ckpt, args.out, hf_template=args.hf_template, force=args.force, progress=True,
+                         tokenizer=args.tokenizer)  # fmt: skip
+            if not (args.tokenizer or args.hf_template):
+                print(f"note: {args.out} carries no tokenizer (give --tokenizer DIR or --tokenizer bytes)")
         elif args.command == "describe":
             return describe_checkpoint(args.ckpt, args.tag)
         else:

@@ -25,6 +25,7 @@ from ..safe_io import check_output_dir, read_manifest, staged_dir, verify_files
 from .import_hf import ConversionError, HFSource
 from .names import Placement, released_layout
 from .native_format import DEFAULT_SHARD_BYTES, ShardReader, ShardWriter, expert_set_name, read_layout
+from .tokenizer_files import TOKENIZER_FILES, write_byte_tokenizer
 
 SMALL_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32,
                     projection_intermediate_size=32)  # fmt: skip
@@ -134,10 +135,7 @@ class NativeCheckpoint:
                     tie_word_embeddings=self.cfg.tie_word_embeddings, dtype="float32")  # fmt: skip
 
 
-# Files of a released directory that travel with an export: tokenizer and generation settings.
-COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")  # fmt: skip
+GENERATION_CONFIG = "generation_config.json"
 # Config fields a training run may change on purpose (the export's config.json carries the run's values).
 RUN_FIELDS = frozenset({"mtp_loss_weight", "num_nextn_predict_layers"})
 
@@ -160,10 +158,14 @@ def check_template(native: NativeCheckpoint, hf_template: str) -> None:
 def native_to_hf(
     ckpt: str, out: str, hf_template: str | None = None, force: bool = False,
     shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = False, config_json: str | None = None,
+    tokenizer: str | None = None,
 ) -> str:  # fmt: skip
     """Write `out` whole (built under a temporary name, removed on failure). An existing non-empty `out` is
     refused without `force`; with it only the files the export writes are replaced, nothing is deleted.
-    `config_json`: the config.json to carry verbatim (a running job's --hf-dir's), before the checkpoint's own."""
+    `config_json`: the config.json to carry verbatim (a running job's --hf-dir's), before the checkpoint's own.
+    `tokenizer`: "bytes" (written as a real tokenizer, `tokenizer_files`) or a directory whose tokenizer files are
+    copied; default: the template's. `generation_config.json`: the template's, else the tokenizer directory's,
+    else one with the model's eos / pad ids."""
     native = NativeCheckpoint(ckpt)
     check_output_dir(out, "--out", force=force, inputs={"--ckpt": ckpt, "--hf-template": hf_template})
     if hf_template:
@@ -182,9 +184,20 @@ def native_to_hf(
                     writer.add(name, source.raw(name))  # unchanged, bytes and dtype
         writer.close()
         native.write_hf_config(os.path.join(tmp, "config.json"), hf_template, verbatim=config_json)
-        for name in COMPANION_FILES if hf_template else ():
-            if os.path.isfile(os.path.join(hf_template, name)):  # type: ignore[arg-type]
-                shutil.copyfile(os.path.join(hf_template, name), os.path.join(tmp, name))  # type: ignore[arg-type]
+        tokenizer_dir = tokenizer or hf_template
+        if tokenizer_dir == "bytes":
+            write_byte_tokenizer(tmp)
+        elif tokenizer_dir:
+            for name in TOKENIZER_FILES:
+                if os.path.isfile(os.path.join(tokenizer_dir, name)):
+                    shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(tmp, name))
+        kept = [os.path.join(d, GENERATION_CONFIG) for d in (hf_template, tokenizer) if d and d != "bytes"]
+        kept = [p for p in kept if os.path.isfile(p)]
+        if kept:
+            shutil.copyfile(kept[0], os.path.join(tmp, GENERATION_CONFIG))
+        else:
+            with open(os.path.join(tmp, GENERATION_CONFIG), "w", encoding="utf-8") as f:
+                json.dump(dict(eos_token_id=native.cfg.eos_token_id, pad_token_id=native.cfg.pad_token_id), f)
     return out
 
 

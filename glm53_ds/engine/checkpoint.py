@@ -532,17 +532,20 @@ def _load_portable_optimizer(
 
 
 def export_engine_to_hf(
-    engine: Any, cfg: Glm53Config, out_dir: str, template: str | None = None, force: bool = False
-) -> None:
+    engine: Any, cfg: Glm53Config, out_dir: str, template: str | None = None, force: bool = False,
+    tokenizer: str | None = None,
+) -> None:  # fmt: skip
     """From a running job: save a checkpoint into a fresh temporary directory beside `out_dir`, then rank 0
     converts it (`native_to_hf`: the output appears whole; with `force` into an existing directory, only the files
-    the export writes are replaced) and removes the temporary directory it created. Collective."""
+    the export writes are replaced) and removes the temporary directory it created. `tokenizer`: "bytes" or the
+    tokenizer directory the export carries (`native_to_hf`). Collective."""
     work = _from_rank0(new_temp_dir(f"{out_dir.rstrip('/')}.native") if dist.get_rank() == 0 else None)
     try:
         tag_dir = save_checkpoint(engine, work, "export")
         if dist.get_rank() == 0:
             config_json = os.path.join(template, "config.json") if template else None
-            native_to_hf(tag_dir, out_dir, hf_template=template, force=force, config_json=config_json)
+            native_to_hf(tag_dir, out_dir, hf_template=template, force=force, config_json=config_json,
+                         tokenizer=tokenizer)  # fmt: skip
         dist.barrier()
     finally:
         if dist.get_rank() == 0:

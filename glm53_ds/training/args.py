@@ -41,10 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = p.add_argument_group("data")
     d.add_argument("--data", help="indexed dataset prefix (.bin/.idx), .jsonl or .txt; a .jsonl of chat "
-                   "conversations ('messages' or 'prompt' + 'completion') trains on assistant tokens, packed "
+                   "conversations ('messages' with system/user/assistant/tool turns, ShareGPT 'conversations', Alpaca "
+                   "'instruction' + 'output', or 'prompt' + 'completion') trains on assistant tokens, packed "
                    "(default: data/tiny_corpus.txt)")  # fmt: skip
     d.add_argument("--pack", action="store_true", help="pack whole documents into rows of --seq-length tokens, "
                    "each computed alone (cu_seqlens), instead of windows over the document stream")  # fmt: skip
+    d.add_argument("--long-documents", choices=["split", "truncate", "drop"], help="packed / chat data: a document "
+                   "longer than --seq-length is split into row-sized pieces, cut to its first row, or left out; how "
+                   "many were is reported at start-up (default: split)")  # fmt: skip
     d.add_argument("--tokenizer", help="'bytes' or a tokenizer directory (default: bytes for "
                    "presets, --hf-dir otherwise)")  # fmt: skip
     d.add_argument("--seq-length", type=int)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ..config import Glm53Config
 from ..convert.native_format import latest_tag, read_layout
 from ..safe_io import OutputPathError, check_output_dir, published_tags
+from .packing import LONG_DOCUMENTS
 from .presets import DEFAULT_ROUTER_BIAS_UPDATE_RATE, PRESET_ROUTER_BIAS_UPDATE_RATE, PRESETS, preset
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,6 +52,7 @@ class TrainConfig:
     data: str = DEFAULT_DATA
     tokenizer: str = "bytes"
     pack: bool = False  # documents packed into rows with their boundaries (chat data: always)
+    long_documents: str = "split"  # packed data: a document longer than a row is split, truncated or dropped
     seq_length: int = 64
     micro_batch_size: int = 2
     global_batch_size: int | None = None  # None: micro batch x world size
@@ -153,6 +155,8 @@ class TrainConfig:
                 raise SetupError(
                     f"--no-decay-pattern {self.no_decay_pattern!r}: not a regular expression ({e})"
                 ) from e
+        if self.long_documents not in LONG_DOCUMENTS:
+            raise SetupError(f"--long-documents must be one of {LONG_DOCUMENTS}, got {self.long_documents!r}")
         if self.recompute not in RECOMPUTE:
             raise SetupError(f"--recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.hf_dir and not os.path.isfile(os.path.join(self.hf_dir, "config.json")):

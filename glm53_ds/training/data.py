@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
+from ..convert.tokenizer_files import TOKENIZER_FILES
 from ..safe_io import atomic_write_text
 from .packing import (
     Batch,
@@ -41,12 +42,9 @@ from .packing import (
 )
 
 BYTE_EOD, BYTE_PAD = 256, 257
+CHAT_KEYS = frozenset({"messages", "conversations", "instruction", "prompt"})
 
 
-# The files of a tokenizer directory that decide its token ids and chat rendering (what the data caches key on).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "vocab.txt", "merges.txt", "added_tokens.json", "chat_template.jinja",
-                   "chat_template.json")  # fmt: skip
 WHOLE_HASH_BYTES = 1 << 30  # files up to this size are hashed whole; larger indexed datasets are sampled
 
 
@@ -81,7 +79,7 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def chat_template_ids(
-        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False
     ) -> list[int]:
         return byte_chat_template(messages, add_generation_prompt)
 
@@ -94,8 +92,16 @@ class HFTokenizer:
             raise FileNotFoundError(
                 f"--tokenizer {path!r}: no such directory (expected a tokenizer or checkpoint dir)"
             )
-        self.tok = AutoTokenizer.from_pretrained(path)
         files = [os.path.join(path, n) for n in TOKENIZER_FILES if os.path.isfile(os.path.join(path, n))]
+        if not any(os.path.basename(f).startswith(("tokenizer.", "vocab.")) for f in files):
+            raise FileNotFoundError(f"--tokenizer {path!r}: no tokenizer there (no tokenizer.json / tokenizer.model / "
+                                    "vocab file); give --tokenizer DIR (a tokenizer directory) or --tokenizer bytes")  # fmt: skip
+        try:
+            self.tok = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError, ImportError) as e:
+            raise ValueError(
+                f"--tokenizer {path!r}: transformers cannot load it ({str(e).splitlines()[0]})"
+            ) from e
         files += sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".tiktoken"))
         self.fingerprint = "hf-" + content_hash(files)  # its contents, not its path: an edit in place counts
         self.vocab_size = len(self.tok)
@@ -115,7 +121,7 @@ class HFTokenizer:
         if not getattr(self.tok, "chat_template", None):
             return None
 
-        def render(messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> list[int]:
+        def render(messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> list[int]:
             out = self.tok.apply_chat_template(
                 list(messages), tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
             )
@@ -203,11 +209,11 @@ def resolve_dataset(data: str, tokenizer: ByteTokenizer | HFTokenizer, cache_dir
 
 
 def is_chat_jsonl(path: str) -> bool:
-    """Whether a .jsonl holds chat data (its first record has 'messages' or 'prompt' + 'completion')."""
+    """Whether a .jsonl holds chat data: its first record has one of the chat shapes' keys (`chat_messages`)."""
     if not path.endswith(".jsonl"):
         return False
     for _, record in _jsonl_records(path):
-        return isinstance(record, dict) and ("messages" in record or "prompt" in record)
+        return isinstance(record, dict) and bool(CHAT_KEYS & set(record))
     return False
 
 
@@ -232,10 +238,12 @@ def open_stream(
     seed: int,
     vocab_size: int,
     pack: bool,
+    long_documents: str = "split",
 ) -> SampleStream | PackedRowStream:
     """The training data for `--data`: packed rows for chat data or `--pack`, else pretraining windows; tokenized
     and packed into `cache_dir` once (the first caller builds, later ones open the cache). Caches are keyed on the
-    data's and the tokenizer's contents."""
+    data's and the tokenizer's contents. `long_documents`: what packing does with a document longer than a row
+    (`packing.LONG_DOCUMENTS`)."""
     chat = os.path.isfile(data) and is_chat_jsonl(data)
     if not (chat or pack):
         return SampleStream(resolve_dataset(data, tokenizer, cache_dir), seq_length, seed, vocab_size)
@@ -245,13 +253,14 @@ def open_stream(
         tokenizer.fingerprint,
         seq_length,
         "chat" if chat else "pack",
+        long_documents,
     )
     directory = os.path.join(cache_dir, f"{os.path.basename(data)}.{key}.packed")
     if not os.path.isfile(os.path.join(directory, "meta.json")):
         os.makedirs(cache_dir, exist_ok=True)
         documents = _chat_documents(data, tokenizer) if chat else _text_documents(source)
-        build_packed(documents, directory, seq_length, tokenizer.pad_id, fingerprint=key,
-                     source=f"--data {data}", unit="conversations" if chat else "documents")  # fmt: skip
+        build_packed(documents, directory, seq_length, tokenizer.pad_id, fingerprint=key, source=f"--data {data}",
+                     unit="conversations" if chat else "documents", long_documents=long_documents)  # fmt: skip
     return PackedRowStream(directory, seed, vocab_size)
 
 

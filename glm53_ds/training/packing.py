@@ -39,7 +39,10 @@ import torch
 from ..safe_io import staged_dir
 
 IGNORE_INDEX = -100
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+# ShareGPT's speakers as roles
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "tool": "tool", "observation": "tool", "function_response": "tool"}  # fmt: skip
 
 
 @dataclass
@@ -88,19 +91,40 @@ class SeededOrder:
 
 
 # ----------------------------------------------------------------------------- chat rendering
-def chat_messages(record: Any, where: str) -> list[dict[str, str]]:
-    """The conversation of one jsonl record, checked; `where` is `file:line` for errors."""
-    if isinstance(record, dict) and "messages" in record:
-        messages = record["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise ValueError(f"{where}: 'messages' must be a non-empty list")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+def chat_messages(record: Any, where: str) -> list[dict[str, Any]]:
+    """The conversation of one jsonl record as messages, checked; `where` is `file:line` for errors. Shapes:
+    `messages` (OpenAI style: system / user / assistant / tool, an assistant turn's `tool_calls` kept for the chat
+    template), ShareGPT `conversations` of `from` / `value`, Alpaca `instruction` (+ `input`) / `output`, and
+    `prompt` / `completion`."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: a chat line must be a JSON object")
+    if "messages" in record:
+        return _checked_messages(record["messages"], where, "messages")
+    if "conversations" in record:
+        turns = record["conversations"]
+        if not isinstance(turns, list) or not turns:
+            raise ValueError(f"{where}: 'conversations' must be a non-empty list")
+        messages = []
+        for i, turn in enumerate(turns):
+            who = turn.get("from") if isinstance(turn, dict) else None
+            if who not in SHAREGPT_ROLES:
                 raise ValueError(
-                    f"{where}: messages[{i}] must be {{'role': one of {ROLES}, 'content': a string}}, got {m!r}"
+                    f"{where}: conversations[{i}].from must be one of {sorted(SHAREGPT_ROLES)}, got {who!r}"
                 )
-        return [{"role": m["role"], "content": m["content"]} for m in messages]
-    if isinstance(record, dict) and "prompt" in record and "completion" in record:
+            messages.append({"role": SHAREGPT_ROLES[who], "content": turn.get("value")})
+        return _checked_messages(messages, where, "conversations", field="value")
+    if "instruction" in record and "output" in record:
+        for key in ("instruction", "input", "output", "system"):
+            if key in record and not isinstance(record[key], str):
+                raise ValueError(f"{where}: '{key}' must be a string")
+        prompt = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
+        system = [{"role": "system", "content": record["system"]}] if record.get("system") else []
+        return [
+            *system,
+            {"role": "user", "content": prompt},
+            {"role": "assistant", "content": record["output"]},
+        ]
+    if "prompt" in record and "completion" in record:
         if not isinstance(record["prompt"], str) or not isinstance(record["completion"], str):
             raise ValueError(f"{where}: 'prompt' and 'completion' must be strings")
         return [
@@ -108,20 +132,56 @@ def chat_messages(record: Any, where: str) -> list[dict[str, str]]:
             {"role": "assistant", "content": record["completion"]},
         ]
     raise ValueError(
-        f"{where}: a chat line needs 'messages' (a list of role/content) or 'prompt' + 'completion'"
+        f"{where}: a chat line needs 'messages' (a list of role/content), 'conversations' (ShareGPT from/value), "
+        "'instruction' + 'output' (Alpaca) or 'prompt' + 'completion'"
     )
 
 
-def byte_chat_template(messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> list[int]:
-    """The byte tokenizer's built-in chat template (module docstring)."""
-    text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+def _checked_messages(messages: Any, where: str, column: str, field: str = "content") -> list[dict[str, Any]]:
+    """Messages with a known role and string content (an assistant turn with `tool_calls` may have none); errors
+    name the column (`messages[2].content`)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: '{column}' must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            got = m.get("role") if isinstance(m, dict) else m
+            raise ValueError(f"{where}: {column}[{i}] must be {{'role': one of {ROLES}, 'content': a string}}: its "
+                             f"role is {got!r}")  # fmt: skip
+        calls = m.get("tool_calls")
+        content = m.get("content")
+        if calls is not None and (m["role"] != "assistant" or not isinstance(calls, list)):
+            raise ValueError(f"{where}: {column}[{i}].tool_calls must be a list, on an assistant turn")
+        if content is None and calls:
+            content = ""
+        if not isinstance(content, str):
+            raise ValueError(f"{where}: {column}[{i}].{field} must be a string, got {type(content).__name__}")
+        message: dict[str, Any] = {"role": m["role"], "content": content}
+        for key in ("tool_calls", "name", "tool_call_id"):
+            if m.get(key) is not None:
+                message[key] = m[key]
+        out.append(message)
+    return out
+
+
+def byte_chat_template(messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> list[int]:
+    """The byte tokenizer's built-in chat template (module docstring); an assistant turn's tool calls follow its
+    content, each as `<tool_call>{json}</tool_call>` (convert/tokenizer_files.py renders the same)."""
+    text = "".join(
+        f"<|{m['role']}|>\n{m['content']}"
+        + "".join(
+            f"<tool_call>{json.dumps(c, ensure_ascii=False)}</tool_call>" for c in m.get("tool_calls") or []
+        )
+        + "\n"
+        for m in messages
+    )
     if add_generation_prompt:
         text += "<|assistant|>\n"
     return list(text.encode("utf-8"))
 
 
 def render_chat(
-    tokenizer: Any, messages: Sequence[dict[str, str]], where: str
+    tokenizer: Any, messages: Sequence[dict[str, Any]], where: str
 ) -> tuple[list[int], list[bool]]:
     """Token ids of a conversation and which of them are targets (assistant tokens)."""
     template = getattr(tokenizer, "chat_template_ids", None)
@@ -147,11 +207,18 @@ def render_chat(
 
 
 # ----------------------------------------------------------------------------- packing
+LONG_DOCUMENTS = ("split", "truncate", "drop")  # --long-documents: a document longer than a row
+
+
 def pack(
-    documents: Iterator[tuple[list[int], list[bool]]], seq_length: int, pad_id: int
+    documents: Iterator[tuple[list[int], list[bool]]],
+    seq_length: int,
+    pad_id: int,
+    long_documents: str = "split",
 ) -> tuple[np.ndarray, np.ndarray, list[list[int]], list[int], dict[str, int]]:
     """Greedy packing (module docstring): (tokens, labels [rows, seq_length] int32, document starts per row,
-    real (non-padding) tokens per row, counts)."""
+    real (non-padding) tokens per row, counts). A document longer than a row is cut into row-sized pieces
+    (`split`), cut to its first row (`truncate`) or left out (`drop`); counts say how many were."""
     rows_tokens: list[list[int]] = []
     rows_labels: list[list[int]] = []
     starts: list[list[int]] = []
@@ -159,7 +226,9 @@ def pack(
     tokens: list[int] = []
     labels: list[int] = []
     row_starts: list[int] = []
-    counts = dict(documents=0, pieces=0, real_tokens=0, targets=0, no_target_documents=0)
+    if long_documents not in LONG_DOCUMENTS:
+        raise ValueError(f"--long-documents must be one of {LONG_DOCUMENTS}, got {long_documents!r}")
+    counts = dict(documents=0, pieces=0, real_tokens=0, targets=0, no_target_documents=0, long_documents=0)
 
     def close() -> None:
         nonlocal tokens, labels, row_starts
@@ -178,6 +247,12 @@ def pack(
     for ids, trained in documents:
         counts["documents"] += 1
         targets_before = counts["targets"]
+        if len(ids) > seq_length:
+            counts["long_documents"] += 1
+            if long_documents == "drop":
+                continue
+            if long_documents == "truncate":
+                ids, trained = ids[:seq_length], trained[:seq_length]
         for begin in range(0, len(ids), seq_length):
             piece, mask = ids[begin : begin + seq_length], trained[begin : begin + seq_length]
             if len(tokens) + len(piece) > seq_length:
@@ -191,7 +266,8 @@ def pack(
         counts["no_target_documents"] += counts["targets"] == targets_before
     close()
     if not rows_tokens:
-        raise ValueError("no documents to pack")
+        raise ValueError(f"no documents to pack ({counts['long_documents']} longer than a row of {seq_length} tokens, "
+                         f"--long-documents {long_documents})")  # fmt: skip
     return (
         np.asarray(rows_tokens, dtype=np.int32),
         np.asarray(rows_labels, dtype=np.int32),
@@ -203,12 +279,12 @@ def pack(
 
 def build_packed(
     documents: Iterator[tuple[list[int], list[bool]]], directory: str, seq_length: int, pad_id: int,
-    fingerprint: str = "", source: str = "the data", unit: str = "documents",
+    fingerprint: str = "", source: str = "the data", unit: str = "documents", long_documents: str = "split",
 ) -> str:  # fmt: skip
     """Pack `documents` into `directory` (staged, then renamed into place). Data with no target token at all is
     refused (nothing would be trained: a loss of 0 while weight decay still moves the weights). `fingerprint`:
     what the rows were built from (the cache key: data and tokenizer contents), recorded for resumes."""
-    tokens, labels, starts, real, counts = pack(documents, seq_length, pad_id)
+    tokens, labels, starts, real, counts = pack(documents, seq_length, pad_id, long_documents)
     if counts["targets"] == 0:
         raise ValueError(f"{source}: none of its {counts['documents']} {unit} has a token to train on (no assistant "
                          "turn, or only empty ones); nothing would be learned")  # fmt: skip
@@ -221,7 +297,7 @@ def build_packed(
         np.save(os.path.join(tmp, "row_offsets.npy"), offsets)
         np.save(os.path.join(tmp, "real_tokens.npy"), np.asarray(real, dtype=np.int32))
         meta = dict(seq_length=seq_length, rows=int(tokens.shape[0]), max_token_id=int(tokens.max()),
-                    fingerprint=fingerprint, source=source, unit=unit, **counts)  # fmt: skip
+                    fingerprint=fingerprint, source=source, unit=unit, long_policy=long_documents, **counts)  # fmt: skip
         with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
             json.dump(meta, f)
     return directory
@@ -243,6 +319,17 @@ class PackedRowStream:
             raise ValueError(f"the packed data cache {directory} is damaged ({type(e).__name__}: {e}); remove it "
                              "to rebuild") from e  # fmt: skip
         self.notices: list[str] = []
+        long, policy = int(self.meta.get("long_documents", 0)), self.meta.get("long_policy", "split")
+        if long:
+            done = {
+                "split": "split into row-sized pieces",
+                "truncate": "cut to their first row",
+                "drop": "left out",
+            }
+            self.notices.append(f"{self.meta.get('source', 'the data')}: {long} of {self.meta['documents']} "
+                                f"{self.meta.get('unit', 'documents')} are longer than --seq-length "
+                                f"{self.meta['seq_length']} and were {done[policy]} (--long-documents {policy}; "
+                                f"{self.meta['pieces']} pieces in {self.meta['rows']} rows)")  # fmt: skip
         unused = int(self.meta.get("no_target_documents", 0))
         if unused:
             self.notices.append(f"{self.meta.get('source', 'the data')}: {unused} of {self.meta['documents']} "

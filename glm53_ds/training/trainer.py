@@ -236,7 +236,8 @@ class Trainer:
         cache_dir = os.path.join(c.output_dir, "data_cache")
 
         def stream() -> SampleStream | PackedRowStream:
-            return open_stream(c.data, tokenizer, cache_dir, c.seq_length, c.seed, cfg.vocab_size, c.pack)
+            return open_stream(c.data, tokenizer, cache_dir, c.seq_length, c.seed, cfg.vocab_size, c.pack,
+                               c.long_documents)  # fmt: skip
 
         if c.save:  # one writer per checkpoint directory (rank 0 holds the lock for the run)
             lock = self.save_lock = DirectoryLock(c.save, "--save")
@@ -503,7 +504,8 @@ class Trainer:
             if os.path.getsize(self.writer.path):
                 plot_loss(self.writer.path, os.path.join(c.output_dir, "loss.png"))
         if c.export_hf:
-            export_engine_to_hf(self.engine, self.cfg, c.export_hf, template=c.hf_dir, force=c.force)
+            export_engine_to_hf(self.engine, self.cfg, c.export_hf, template=c.hf_dir, force=c.force,
+                                tokenizer=c.tokenizer)  # fmt: skip
             self._say(f"exported {c.export_hf} (transformers layout, step {c.train_iters})")
 
     def run(self) -> dict[str, Any]:
