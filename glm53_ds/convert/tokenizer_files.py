@@ -19,7 +19,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 BYTE_EOD_TOKEN, BYTE_PAD_TOKEN = "<|endoftext|>", "<|pad|>"
 BYTE_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}"
-    "{% for call in message.tool_calls or [] %}<tool_call>{{ call | tojson }}</tool_call>{% endfor %}\n{% endfor %}"
+    "{% for call in message.tool_calls or [] %}<tool_call>{{ call | tojson }}</tool_call>{% endfor %}"
+    "{{ '\\n' }}{% endfor %}"  # an expression: transformers renders with trim_blocks
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
