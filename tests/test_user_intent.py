@@ -253,3 +253,34 @@ def test_verify_ends_with_a_verdict(tmp_path):
     _hf_dir(other, tiny(), seed=1)  # another model of the same shapes
     verify(str(hf), hf_to_native(str(other), str(tmp_path / "n2")), out=rows.append)
     assert rows[-1].startswith("verify: FAILED (") and "tensors differ, max |diff|" in rows[-1], rows[-1]
+
+
+# ----------------------------------------------------------------------------- 8. the docs' examples run
+@pytest.mark.slow
+def test_the_conversion_docs_commands_run_as_written(tmp_path):
+    """docs/conversion.md's first block, run with its paths pointed at a tiny released checkpoint (the commands and
+    options as written): hf-to-native at EP 8 x ETP 2, native-to-hf with a template, verify's verdict."""
+    import re
+
+    from glm53_ds.training.presets import tiny
+
+    hf = tmp_path / "GLM-5.3-Flash"
+    hf.mkdir()
+    _hf_dir(hf, tiny())
+    from glm53_ds.convert.tokenizer_files import write_byte_tokenizer
+
+    write_byte_tokenizer(str(hf))
+    text = open(os.path.join(ROOT, "docs", "conversion.md"), encoding="utf-8").read()
+    block = re.findall(r"```bash\n(.*?)```", text, flags=re.S)[0]
+    paths = {"/ckpt/GLM-5.3-Flash": str(hf), "/ckpt/native-ep8": str(tmp_path / "native-ep8"),
+             "/ckpt/run1-hf": str(tmp_path / "run1-hf"), "/ckpt/run1": str(tmp_path / "native-ep8")}  # fmt: skip
+    for line in block.strip().splitlines():
+        command = line.split(" [", 1)[0]  # an optional flag shown in brackets
+        for old, new in paths.items():
+            command = command.replace(old, new)
+        proc = subprocess.run(command, shell=True, capture_output=True, text=True, cwd=ROOT, timeout=1800)
+        assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert proc.stdout.strip().splitlines()[-1].startswith("verify: OK")
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(tmp_path / "run1-hf").encode("a", add_special_tokens=False) == [97]
