@@ -231,18 +231,23 @@ def test_router_bias_rate_defaults_by_preset(tmp_path):
 
 def _tiny_hf_checkpoint(path) -> None:
     """A released-layout checkpoint of the tiny preset (with MTP), written in-process."""
+    from glm53_ds.training.presets import tiny
+
+    write_hf_checkpoint(path, tiny())
+
+
+def write_hf_checkpoint(path, cfg, mtp: bool = True, seed: int = 0) -> None:
+    """A released-layout checkpoint of `cfg` written in-process (MTP tensors only with `mtp`), no tokenizer."""
     import glm53_ds
     from glm53_ds.convert.export_hf import SMALL_VISION
     from glm53_ds.convert.names import released_tensors
     from glm53_ds.convert.native_format import ShardWriter
-    from glm53_ds.training.presets import tiny
 
-    cfg = tiny()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = glm53_ds.build_model(cfg)
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     writer = ShardWriter(str(path), "model", index_file="model.safetensors.index.json")
-    for name, tensor in released_tensors(state, cfg, mtp=True):
+    for name, tensor in released_tensors(state, cfg, mtp=mtp):
         writer.add(name, tensor)
     writer.close()
     config = dict(model_type="glm5_next", text_config=cfg.to_text_dict(), vision_config=SMALL_VISION)

@@ -12,30 +12,15 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from glm53_ds.training.args import build_parser
 from glm53_ds.training.config import TrainConfig
 from tests.test_nothing_lost import QUICK, one_error, run
-from tests.test_train import ROOT, TRAIN, deepspeed_run, metrics
+from tests.test_train import ROOT, TRAIN, deepspeed_run, metrics, write_hf_checkpoint
 
 
 def _hf_dir(path, cfg, mtp: bool = True, seed: int = 0) -> None:
-    """A released-layout checkpoint of `cfg` written in-process (MTP tensors only with `mtp`)."""
-    import glm53_ds
-    from glm53_ds.convert.export_hf import SMALL_VISION
-    from glm53_ds.convert.names import released_tensors
-    from glm53_ds.convert.native_format import ShardWriter
-
-    torch.manual_seed(seed)
-    model = glm53_ds.build_model(cfg)
-    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    writer = ShardWriter(str(path), "model", index_file="model.safetensors.index.json")
-    for name, tensor in released_tensors(state, cfg, mtp=mtp):
-        writer.add(name, tensor)
-    writer.close()
-    config = dict(model_type="glm5_next", text_config=cfg.to_text_dict(), vision_config=SMALL_VISION)
-    (path / "config.json").write_text(json.dumps(config))
+    write_hf_checkpoint(path, cfg, mtp=mtp, seed=seed)
 
 
 def _config(*argv: str) -> TrainConfig:
