@@ -104,7 +104,9 @@ def test_model_config_as_absolute_path_trains(tmp_path):
     from glm53_ds.training.presets import tiny
 
     config = tmp_path / "glm53_test_absolute_config.json"
-    config.write_text(json.dumps(tiny().to_text_dict()))
+    # another model than the tiny preset: its output directory is named after the file (the tiny preset's own
+    # config would train into runs/tiny, since defaults follow the model)
+    config.write_text(json.dumps(tiny().replace(hidden_size=48).to_text_dict()))
     out = os.path.join(ROOT, "runs", "glm53_test_absolute_config")
     assert not os.path.exists(out)
     try:
@@ -389,6 +391,12 @@ def test_export_carries_the_tokenizer_files(hf_dir, tmp_path):
     proc = run(*QUICK[:2], "--hf-dir", str(source), "--tokenizer", "bytes", "--output-dir", str(tmp_path / "out"),
                "--export-hf", str(tmp_path / "export"))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for name in ("tokenizer_config.json", "generation_config.json"):
-        assert (tmp_path / "export" / name).read_text() == (source / name).read_text()
+    # --hf-dir's generation settings travel; the tokenizer is the one the run trained with (here the byte tokenizer,
+    # written as a real one: tests/test_user_intent.py), not --hf-dir's placeholder
+    gen = "generation_config.json"
+    assert (tmp_path / "export" / gen).read_text() == (source / gen).read_text()
+    assert (
+        json.loads((tmp_path / "export" / "tokenizer_config.json").read_text())["eos_token"]
+        == "<|endoftext|>"
+    )
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]  # the export's work directory is gone

@@ -107,7 +107,8 @@ def test_nan_loss_stops_with_the_step(tmp_path):
     assert proc.returncode == 3, proc.stderr[-2000:]
     # AdamW's first update is lr-sized in every weight; the loss that follows overflows
     assert re.search(
-        r"error: loss is (nan|inf) at step [23] \(micro-batch 0\); training stopped", proc.stderr
+        r"error: (loss is (nan|inf) at step [23] \(micro-batch 0\)|gradient norm is (nan|inf) at step [23]); training stopped",
+        proc.stderr,
     ), proc.stderr[-1500:]
 
 
@@ -219,13 +220,21 @@ def test_router_bias_rate_defaults_by_preset(tmp_path):
     from glm53_ds.training.presets import tiny
 
     (tmp_path / "config.json").write_text(json.dumps(tiny().to_text_dict()))
+    (tmp_path / "wide.json").write_text(json.dumps(tiny().replace(hidden_size=48).to_text_dict()))
 
     def rate(*argv: str) -> float:
         return TrainConfig.from_args(build_parser().parse_args(list(argv))).router_bias_update_rate
 
+    # the preset's rate follows the model, whichever route it came by (issue 25: tests/test_user_intent.py)
     assert rate() == rate("--model-config", "tiny") == 1e-2
-    assert rate("--model-config", "glm-5.3-flash") == rate("--hf-dir", str(tmp_path)) == 1e-3
-    assert rate("--model-config", str(tmp_path / "config.json")) == 1e-3
+    assert (
+        rate("--hf-dir", str(tmp_path), "--tokenizer", "bytes")
+        == rate("--model-config", str(tmp_path / "config.json"))
+        == 1e-2
+    )
+    assert (
+        rate("--model-config", "glm-5.3-flash") == rate("--model-config", str(tmp_path / "wide.json")) == 1e-3
+    )
     assert rate("--router-bias-update-rate", "0") == 0.0
 
 

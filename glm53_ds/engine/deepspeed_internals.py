@@ -196,18 +196,21 @@ def _install_norm_fixes(engine: Any, layout: ParallelLayout) -> None:
                 )
 
             engine.clip_fp32_gradients = clip_fp32_gradients
-            plain_step = optimizer.step
+    if isinstance(optimizer, torch.optim.Optimizer) and not (
+        engine.fp16_enabled() or engine.bfloat16_enabled()
+    ):
+        plain_step = optimizer.step
 
-            def step_if_finite(*args: Any, **kwargs: Any) -> Any:
-                # DeepSpeed applies this optimizer whatever the norm: refused here when it is not finite. Without
-                # clipping DeepSpeed computes no norm: computed here (and reported) instead.
-                if engine.gradient_clipping() <= 0:
-                    engine._global_grad_norm = global_grad_norm(engine.module, expert_group)
-                _refuse_non_finite(engine._global_grad_norm)
-                return plain_step(*args, **kwargs)
+        def step_if_finite(*args: Any, **kwargs: Any) -> Any:
+            # DeepSpeed applies this optimizer whatever the norm: refused here when it is not finite. Without
+            # clipping DeepSpeed computes no norm: computed here (and reported) instead.
+            if engine.gradient_clipping() <= 0:
+                engine._global_grad_norm = global_grad_norm(engine.module, expert_group)
+            _refuse_non_finite(engine._global_grad_norm)
+            return plain_step(*args, **kwargs)
 
-            optimizer.step = step_if_finite
-    if zero:  # ZeRO-1/2 skip a non-finite norm in fp32 but apply it in bf16 (no check_grad_overflow): refused
+        optimizer.step = step_if_finite  # type: ignore[method-assign]
+    if zero:  # ZeRO-1/2 skip a non-finite norm themselves, but apply it in bf16 with check_grad_overflow off
         zero_norm = optimizer.scaled_global_norm
 
         def scaled_global_norm(norm_type: int = 2) -> Any:

@@ -546,10 +546,15 @@ def report_error(error: Exception, lead: str = "") -> None:
         alike = isinstance(error, TrainingStopped) or getattr(error, "agreed", False)
     else:
         rank, world, alike = int(os.environ.get("LOCAL_RANK", "0")), 1, True
-    if alike and rank != 0:
-        return
-    where = f"rank {rank}: " if not alike and world > 1 else ""
-    print(f"{lead}error: {where}{error}", file=sys.stderr)
+    if not alike or rank == 0:
+        where = f"rank {rank}: " if not alike and world > 1 else ""
+        print(f"{lead}error: {where}{error}", file=sys.stderr, flush=True)
+    if (
+        alike and world > 1
+    ):  # no rank leaves before rank 0 has said it (the launcher kills the rest at the first exit)
+        dist.barrier()
+    elif alike and rank != 0:  # before the process group: local rank 0 says it; a moment for it to
+        time.sleep(2)
 
 
 def main(argv: list[str] | None = None) -> int:
