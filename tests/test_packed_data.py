@@ -105,7 +105,9 @@ def test_packing_splits_long_documents_and_keeps_boundaries():
     # greedy: [1]*5 | pad ; [2]*8 ; [2]*4 [3]*3 | pad
     assert tokens.tolist() == [[1] * 5 + [0] * 3, [2] * 8, [2] * 4 + [3] * 3 + [0]]
     assert starts == [[0, 5], [0], [0, 4, 7]] and real == [5, 8, 7]
-    assert counts == dict(documents=3, pieces=4, real_tokens=20, targets=4 + 7 + 3 + 2, no_target_documents=0)
+    assert counts == dict(
+        documents=3, pieces=4, real_tokens=20, targets=4 + 7 + 3 + 2, no_target_documents=0, long_documents=1
+    )
 
 
 def test_global_batch_is_the_same_rows_at_any_world_size(tmp_path):
