@@ -15,15 +15,14 @@ from collections.abc import Callable
 
 from ..config import Glm53Config
 from ..safe_io import read_manifest, unlisted_files, verify_files
-from .native_format import expert_set_name, read_layout
+from .native_format import expert_set_name, latest_tag, read_layout
 from .safetensors_file import check_plain_file_name
 
 
 def _tag_dir(path: str, tag: str | None) -> str:
     """The directory holding `glm53/` (a training tag) or `layout.json` (a converted checkpoint)."""
     if tag is None and os.path.isfile(os.path.join(path, "latest")):
-        with open(os.path.join(path, "latest"), encoding="utf-8") as f:
-            tag = f.read().strip()
+        tag = latest_tag(path)
     return os.path.join(path, tag) if tag else path
 
 

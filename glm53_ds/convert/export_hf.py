@@ -24,7 +24,14 @@ from ..parallel.expert_shard import DOWN, ExpertShard, expert_tensor_kind
 from ..safe_io import check_output_dir, read_manifest, staged_dir, verify_files
 from .import_hf import ConversionError, HFSource
 from .names import Placement, released_layout
-from .native_format import DEFAULT_SHARD_BYTES, ShardReader, ShardWriter, expert_set_name, read_layout
+from .native_format import (
+    DEFAULT_SHARD_BYTES,
+    ShardReader,
+    ShardWriter,
+    expert_set_name,
+    latest_tag,
+    read_layout,
+)
 from .tokenizer_files import TOKENIZER_FILES, write_byte_tokenizer
 
 SMALL_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32,
@@ -36,10 +43,8 @@ def native_root(ckpt: str) -> str:
     for candidate in (ckpt, os.path.join(ckpt, "glm53")):
         if os.path.isfile(os.path.join(candidate, "layout.json")):
             return candidate
-    latest = os.path.join(ckpt, "latest")
-    if os.path.isfile(latest):
-        with open(latest, encoding="utf-8") as f:
-            return os.path.join(ckpt, f.read().strip(), "glm53")
+    if os.path.isfile(os.path.join(ckpt, "latest")):
+        return os.path.join(ckpt, latest_tag(ckpt), "glm53")
     raise FileNotFoundError(f"{ckpt!r} is not a glm53_ds checkpoint (no layout.json, no 'latest')")
 
 
