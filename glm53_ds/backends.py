@@ -4,7 +4,7 @@ Three fields of `Glm53TransformerConfig` pick how a part of the model is compute
 
 | field           | values                 | default | what                                                          |
 |-----------------|------------------------|---------|---------------------------------------------------------------|
-| `attention_impl`| `sdpa`, `eager`        | `sdpa`  | MLA core: torch's fused SDPA, or HF's eager expression        |
+| `attention_impl`| `auto`, `sparse`, `triton`, `dense`, `eager` | `auto` | MLA core: DSA sparse attention (Triton kernel on CUDA, torch reference elsewhere), or the dense masked path (fused SDPA, or HF's eager expression) |
 | `kda_impl`      | `auto`, `torch`, `fla` | `auto`  | KDA chunked delta rule: fla-core's kernel on CUDA when installed |
 | `hc_post_impl`  | `auto`, `eager`, `triton` | `auto` | mHC write-back: fused Triton kernels on CUDA                |
 
@@ -20,14 +20,21 @@ import os
 import torch
 
 ATTENTION, KDA, HC_POST = "attention_impl", "kda_impl", "hc_post_impl"
-CHOICES = {ATTENTION: ("sdpa", "eager"), KDA: ("auto", "torch", "fla"), HC_POST: ("auto", "eager", "triton")}
+CHOICES = {
+    ATTENTION: ("auto", "sparse", "triton", "dense", "eager"),
+    KDA: ("auto", "torch", "fla"),
+    HC_POST: ("auto", "eager", "triton"),
+}
 ENV = {ATTENTION: "GLM53_ATTENTION", KDA: "GLM53_KDA", HC_POST: "GLM53_HC_POST"}
-DEFAULT = {ATTENTION: "sdpa", KDA: "auto", HC_POST: "auto"}
+# former names, still accepted: `sdpa` was the dense path's fused-SDPA backend
+ALIASES = {ATTENTION: {"sdpa": "dense"}, KDA: {}, HC_POST: {}}
+DEFAULT = {ATTENTION: "auto", KDA: "auto", HC_POST: "auto"}
 
 
 def check(field: str, value: str, source: str | None = None) -> str:
     """`value`, normalised, if it is a valid choice for `field`; else a ValueError naming the field (and source)."""
     normalised = value.strip().lower()
+    normalised = ALIASES[field].get(normalised, normalised)
     if normalised not in CHOICES[field]:
         where = f" (from {source})" if source else ""
         raise ValueError(f"{field}={value!r}{where}: expected one of {', '.join(CHOICES[field])}")
@@ -72,6 +79,14 @@ def resolve(field: str, value: str, device: torch.device) -> str:
             raise RuntimeError(
                 f"{KDA}='fla' needs the fla-core package (pip install fla-core) and CUDA tensors (or "
                 f"TRITON_INTERPRET=1, Triton's CPU interpreter)"
+            )
+    elif field == ATTENTION:
+        if value == "auto":
+            return "triton" if cuda and importable("triton") else "sparse"
+        if value == "triton" and not (importable("triton") and (cuda or triton_interpreter_enabled())):
+            raise RuntimeError(
+                f"{ATTENTION}='triton' needs the triton package and CUDA tensors (or TRITON_INTERPRET=1, Triton's "
+                f"CPU interpreter); 'sparse' is the same attention in torch"
             )
     elif field == HC_POST:
         if value == "auto":

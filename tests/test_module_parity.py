@@ -60,10 +60,15 @@ def test_kda(models, padding):
 
 @pytest.mark.parametrize("padding", [None, "left", "right"])
 @pytest.mark.parametrize("layer", [1, 4])
-def test_indexer_selection_exactly_equal(models, padding, layer):
+@pytest.mark.parametrize("block_bytes", [None, 1])
+def test_indexer_selection_exactly_equal(models, padding, layer, block_bytes, monkeypatch):
+    """Equal to HF's selection, also streamed one query row per block (block_bytes=1)."""
     hf, ours = models
     x, mask = _inputs(padding=padding, seed=layer)
     hf_attn, our_attn = hf.layers[layer].self_attn, ours.decoder.layers[layer].self_attention
+    if block_bytes is not None:
+        monkeypatch.setattr(our_attn.indexer, "score_block_bytes", block_bytes)
+        assert our_attn.indexer.block_rows(x.shape[0], 8) == 1
     with torch.no_grad():
         q_resid = hf_attn.q_a_layernorm(hf_attn.q_a_proj(x))
         ref = hf_attn.indexer(hidden_states=x, q_resid=q_resid, attention_mask=mask, past_key_values=None)

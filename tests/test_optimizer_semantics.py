@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 import glm53_ds
 from glm53_ds.config import Glm53Config
 from glm53_ds.engine.build import decays, optimizer_param_groups, prepare_model
-from glm53_ds.layers.dsa_indexer import DsaIndexer, indexer_kl_loss
-from glm53_ds.layers.mla import SparseMLA, topk_to_mask
+from glm53_ds.layers.dsa_indexer import DsaIndexer, kl_from_scores
+from glm53_ds.layers.mla import SparseMLA
+from glm53_ds.layers.sparse_attention import pooled_attention_mass
 from glm53_ds.parallel import init_layout
 from tests.model_fixtures import CONFIG_A, rel_err
 from tests.test_train import _tiny_hf_checkpoint, deepspeed_run
@@ -72,8 +73,9 @@ def test_weight_decay_spares_biases_and_1d_parameters():
 
 
 # ----------------------------------------------------------------------------- the KL loss
-def _case(seed: int = 0):
-    """An indexer's scores and selection on random inputs, with sparse selection active (s > index_topk)."""
+def _case(seed: int = 0, rows_per_block: int | None = None):
+    """An indexer's pools and streamed selection on random inputs, with sparse selection active (s > index_topk),
+    and random absorbed queries / latents for the main attention (q_lat [b, s, h, R], latent [b, s, R])."""
     cfg = Glm53Config.from_text_dict(CONFIG_A)
     tconfig = glm53_ds.make_transformer_config(cfg, indexer_loss_coef=1.0)
     torch.manual_seed(seed)
@@ -81,32 +83,42 @@ def _case(seed: int = 0):
     with torch.no_grad():
         for p in indexer.parameters():
             p.add_(torch.randn_like(p) * 0.3)
-    b, s, heads, d = 2, 23, 3, 8
+    b, s, heads, rank = 2, 23, 3, 8
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(b, s, cfg.hidden_size, generator=g)
     q_resid = torch.randn(b, s, cfg.q_lora_rank, generator=g)
     mask = torch.ones(b, s, dtype=torch.bool)
     mask[1, :3] = False  # left padding in the second row
-    scored = indexer.score(x, q_resid, mask)
-    topk, selected = indexer.select(scored, mask)
-    q, k = torch.randn(b, heads, s, d, generator=g), torch.randn(b, heads, s, d, generator=g)
-    return scored, selected, topk_to_mask(topk, s), q, k, d**-0.5
+    if rows_per_block is not None:  # stream the scores over blocks of this many query rows
+        indexer.score_block_bytes = 1
+        indexer.block_rows = lambda batch, n_pools: rows_per_block
+    pools = indexer.pools(indexer.keys(x), mask)
+    selection = indexer.select(x, q_resid, mask, pools)
+    q_lat, latent = torch.randn(b, s, heads, rank, generator=g), torch.randn(b, s, rank, generator=g)
+    scaling = rank**-0.5
+    target = pooled_attention_mass(
+        q_lat, latent, selection.tokens, selection.pools.shape[-1], indexer.kpool, scaling
+    )
+    return indexer, x, q_resid, mask, pools, selection, q_lat, latent, target, scaling
 
 
-def reference_kl(scores, selected, pool_tokens, allowed, q, k, scaling):
-    """Per query, in float64, written out: the head-summed attention over the allowed keys, pooled, normalised over
-    the selected pools; KL to the softmax of the index scores over the same pools; mean over queries with a target."""
-    b, heads, s, _ = q.shape
+def reference_kl(scores, selection, pool_tokens, q_lat, latent, scaling):
+    """Per query, in float64, written out: the head-summed attention over the selected keys, pooled, normalised over
+    the selected pools; KL to the softmax of the index scores over the same pools; mean over queries with a target.
+    scores [b, s, P] of every pool."""
+    b, s, heads, _ = q_lat.shape
     losses = []
     for i in range(b):
         for t in range(s):
-            pools = selected[i, t].nonzero().flatten().tolist()
-            keys = allowed[i, 0, t].nonzero().flatten().tolist()
+            pools = selection.pools[i, t][selection.pools_ok[i, t]].tolist()
+            keys = [j for j in selection.tokens[i, t].tolist() if j >= 0]
             if not pools or not keys:
                 continue
             attention = torch.zeros(s, dtype=torch.float64)
             for h in range(heads):
-                logits = torch.stack([q[i, h, t].double() @ k[i, h, j].double() * scaling for j in keys])
+                logits = torch.stack(
+                    [q_lat[i, t, h].double() @ latent[i, j].double() * scaling for j in keys]
+                )
                 attention[keys] += torch.softmax(logits, 0)
             mass = torch.stack(
                 [sum(attention[j] for j in pool_tokens[i, P].tolist() if j >= 0) for P in pools]
@@ -122,44 +134,75 @@ def reference_kl(scores, selected, pool_tokens, allowed, q, k, scaling):
 
 
 def test_kl_loss_and_gradient_match_the_reference():
-    scored, selected, allowed, q, k, scaling = _case()
-    assert selected.sum(-1).max() < scored.candidates.sum(-1).max()  # sparse: some candidates not selected
-    scores = scored.index_scores.detach().clone().requires_grad_(True)
-    scored.index_scores = scores
-    loss = indexer_kl_loss(
-        q, k, allowed, scaling, scored, selected, chunk_bytes=4 * 2 * 3 * 23 * 5
-    )  # 5-row chunks
+    indexer, x, q_resid, mask, pools, selection, q_lat, latent, target, scaling = _case()
+    candidates = indexer.candidates(pools, torch.arange(x.shape[1]))
+    assert selection.pools_ok.sum(-1).max() < candidates.sum(-1).max()  # sparse: some candidates not selected
+    with torch.no_grad():
+        scores = indexer.scores(x, q_resid, pools.keys).requires_grad_(True)  # [b, s, P]
+    total, count = kl_from_scores(scores.gather(-1, selection.pools), selection.pools_ok, target)
+    loss = total / count
     (grad,) = torch.autograd.grad(loss, scores)
     ref_scores = scores.detach().double().requires_grad_(True)
-    ref = reference_kl(ref_scores, selected, scored.pool_tokens, allowed, q, k, scaling)
+    ref = reference_kl(ref_scores, selection, pools.tokens, q_lat, latent, scaling)
     (ref_grad,) = torch.autograd.grad(ref, ref_scores)
     assert abs(loss.item() - ref.item()) <= 1e-6 * abs(ref.item()), (loss.item(), ref.item())
     assert rel_err(grad.double(), ref_grad) <= 1e-6
     assert loss.item() > 1e-3
 
 
+def test_streamed_kl_terms_equal_the_whole_sequence_ones():
+    """`kl_terms` over blocks of 5 query rows (selection streamed over blocks of 4): the same loss and indexer
+    parameter gradients as the unstreamed expression on the whole [b, s, P] scores, within fp32 rounding."""
+    indexer, x, q_resid, mask, pools, selection, q_lat, latent, target, scaling = _case(rows_per_block=4)
+    whole = _case()
+    assert torch.equal(selection.tokens, whole[5].tokens) and torch.equal(
+        selection.pools_ok, whole[5].pools_ok
+    )
+    indexer.block_rows = lambda batch, n_pools: 5
+    total, count = indexer.kl_terms(x, q_resid, pools, selection, target)
+    grads = torch.autograd.grad(total / count, list(indexer.parameters()))
+    pools2 = indexer.pools(indexer.keys(x), mask)
+    scores = indexer.scores(x, q_resid, pools2.keys).gather(-1, selection.pools)
+    total2, count2 = kl_from_scores(scores, selection.pools_ok, target)
+    grads2 = torch.autograd.grad(total2 / count2, list(indexer.parameters()))
+    assert count.item() == count2.item() > 0
+    assert abs(total.item() - total2.item()) <= 1e-6 * abs(total2.item())
+    for g1, g2 in zip(grads, grads2, strict=True):
+        assert rel_err(g1, g2) <= 1e-5
+
+
 def test_kl_loss_is_zero_when_the_indexer_reproduces_the_attention():
-    scored, selected, allowed, q, k, scaling = _case(seed=1)
-    # the target distribution, from the reference's own pooling: set the index scores to its log
-    b, s, pools = selected.shape
-    target = torch.full((b, s, pools), -30.0)
+    indexer, x, q_resid, mask, pools, selection, q_lat, latent, target, scaling = _case(seed=1)
+    # the target distribution from the reference's own pooling: index scores = its log (softmax is shift-free)
+    b, s = mask.shape
+    scores = torch.full(selection.pools.shape, -30.0)
     for i in range(b):
         for t in range(s):
-            sel = selected[i, t].nonzero().flatten()
-            if sel.numel() == 0 or not allowed[i, 0, t].any():
+            ok = selection.pools_ok[i, t]
+            keys = [j for j in selection.tokens[i, t].tolist() if j >= 0]
+            if not ok.any() or not keys:
                 continue
-            keys = allowed[i, 0, t].nonzero().flatten()
             attention = torch.zeros(s, dtype=torch.float64)
-            for h in range(q.shape[1]):
+            for h in range(q_lat.shape[2]):
                 attention[keys] += torch.softmax(
-                    (q[i, h, t].double() @ k[i, h, keys].double().T) * scaling, 0
+                    (latent[i, keys].double() @ q_lat[i, t, h].double()) * scaling, 0
                 )
             mass = torch.stack(
-                [attention[[j for j in scored.pool_tokens[i, P].tolist() if j >= 0]].sum() for P in sel]
+                [
+                    attention[[j for j in pools.tokens[i, P].tolist() if j >= 0]].sum()
+                    for P in selection.pools[i, t]
+                ]
             )
-            target[i, t, sel] = torch.log(mass / mass.sum()).float() + 5.0  # any shift: softmax is shift-free
-    scored.index_scores = target
-    assert indexer_kl_loss(q, k, allowed, scaling, scored, selected).item() <= 1e-6
+            scores[i, t] = torch.where(
+                ok, torch.log(mass.clamp_min(1e-30) / mass[ok].sum()).float() + 5.0, -30.0
+            )
+    total, count = kl_from_scores(scores, selection.pools_ok, target)
+    assert count.item() > 0 and (total / count).item() <= 1e-6
+    # control: the scores of another seed's indexer do not reproduce it
+    wrong, _ = kl_from_scores(
+        torch.randn(scores.shape, generator=torch.Generator().manual_seed(5)), selection.pools_ok, target
+    )
+    assert (wrong / count).item() > 1e-2
 
 
 def test_indexer_loss_trains_only_the_indexer():

@@ -1,4 +1,4 @@
-"""DSA k-pool indexer (HF `Glm5NextTextIndexer`, training/prefill path without a cache).
+"""DSA k-pool indexer (HF `Glm5NextTextIndexer`, training/prefill path without a cache), streamed over query blocks.
 
 For each query it picks which keys the sparse MLA may attend to:
   1. Keys `k = LayerNorm(wk x)` are grouped into pools of `index_kpool` consecutive tokens, starting at the
@@ -12,32 +12,54 @@ For each query it picks which keys the sparse MLA may attend to:
   4. With `index_kpool_always_select_tail`, the visible tokens after the last complete pool (the incomplete
      tail, at most `index_kpool - 1`) are always appended.
 Output: int32 `[b, s, W]` token indices, -1 = empty slot, with W = index_topk (+ index_kpool - 1 with the tail);
-rows of padding queries are all -1. Runs without gradient (HF's indexer is `no_grad`: its parameters are not
-trained by the language-model loss). Its parameters are therefore frozen (`requires_grad=False`: out of the
-optimizer, ZeRO's buffers and the gradient norm) unless `indexer_loss_coef > 0`, which trains them with their own
-loss (`indexer_kl_loss` below, equations in docs/indexer_loss.md).
+rows of padding queries are all -1. Slots `[k * kpool, (k + 1) * kpool)` hold the k-th chosen pool, then the tail.
+
+Memory is O(L): the pools ([b, P, d], P = L / kpool) are built once, then steps 2-4 run per block of query rows,
+holding one block's `[rows, heads, P]` scores (`block_rows`, under `SCORE_BLOCK_BYTES`). Visibility is derived
+from positions (a key j is visible to query i iff j <= i and j is real; the count of visible keys is a cumulative
+sum of the mask), never stored as `[s, S]`. The selections equal HF's exactly (same expression per row, same
+`topk`, tests/test_module_parity.py).
+
+Runs without gradient (HF's indexer is `no_grad`: its parameters are not trained by the language-model loss). Its
+parameters are therefore frozen (`requires_grad=False`: out of the optimizer, ZeRO's buffers and the gradient
+norm) unless `indexer_loss_coef > 0`, which trains them with their own loss (`kl_terms` below, equations in
+docs/indexer_loss.md), streamed the same way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..transformer_config import Glm53TransformerConfig
 from .linear import ColumnLinear
 
+# One block of query rows holds its [b, rows, heads, P] fp32 scores (and their weighted sum) under this many bytes.
+SCORE_BLOCK_BYTES = 64 * 2**20
+
 
 @dataclass
-class IndexerScores:
-    index_scores: torch.Tensor  # [b, s, P] fp32: every query's score of every pool
-    candidates: torch.Tensor  # [b, s, P] bool: complete pools whose last token the query sees
-    pool_tokens: torch.Tensor  # [b, P, kpool] token indices, -1 outside the sequence
-    visible: torch.Tensor  # [b, s, S] bool: causal and real (queries x keys)
+class Pools:
+    """The k-pools of one key sequence [b, S] (a document)."""
+
+    keys: torch.Tensor  # [b, P, d] pool keys (differentiable in the indexer's parameters when it trains)
+    tokens: torch.Tensor  # [b, P, kpool] token indices, -1 outside the sequence
+    complete: torch.Tensor  # [b, P] bool: every token real and inside the sequence
+    last: torch.Tensor  # [b, P] the last token of each pool (clamped into the sequence)
     first_real: torch.Tensor  # [b]
+    mask: torch.Tensor  # [b, S] bool: real keys
+    n_real_upto: torch.Tensor  # [b, S] number of real keys at positions <= j
+
+
+@dataclass
+class Selection:
+    tokens: torch.Tensor  # [b, s, W] int32 token indices, -1 = empty
+    pools: torch.Tensor  # [b, s, K] int64: the chosen pools (into `Pools`), K = index_topk / index_kpool
+    pools_ok: torch.Tensor  # [b, s, K] bool: a chosen pool that is a candidate (the "selected pools")
 
 
 class DsaIndexer(nn.Module):
@@ -59,6 +81,7 @@ class DsaIndexer(nn.Module):
         self.index_kpool_compress_gate = nn.Parameter(
             torch.ones(self.head_dim, cfg.hidden_size, dtype=config.params_dtype)
         )
+        self.score_block_bytes = SCORE_BLOCK_BYTES
         # The LM loss gives the indexer no gradient: frozen unless its own loss trains it.
         self.requires_grad_(config.indexer_loss_coef > 0)
 
@@ -69,84 +92,23 @@ class DsaIndexer(nn.Module):
     @torch.no_grad()
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x [b, s, D], q_resid [b, s, q_lora_rank], mask [b, s] bool -> token indices [b, s, W] int32."""
-        return self.select(self.score(x, q_resid, mask), mask)[0]
+        return self.select(x, q_resid, mask, self.pools(self.keys(x), mask)).tokens
 
     def keys(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-token inputs of the k-pools: keys `LayerNorm(wk x)` and pool-gate scores, each [b, s, d]
         (sequence parallelism gathers these over the SP group: 2 x index_head_dim values per token)."""
         return self.k_norm(self.wk(x)), F.linear(x, self.index_kpool_compress_gate)
 
-    def score(
-        self,
-        x: torch.Tensor,
-        q_resid: torch.Tensor,
-        mask: torch.Tensor,
-        keys: tuple[torch.Tensor, torch.Tensor] | None = None,
-        query_offset: int = 0,
-    ) -> IndexerScores:
-        """Steps 1-2: the pools and every query's score of every candidate pool (differentiable in the indexer's
-        parameters; the LM path calls it without gradient, the indexer loss on detached inputs).
-
-        x [b, s, D], q_resid [b, s, q_lora_rank]: the queries. `keys` (from `keys()`, [b, S, d] each) and `mask`
-        [b, S] describe the key sequence, whose token `query_offset + i` is query i; without `keys` the queries are
-        the whole key sequence (S = s, offset 0)."""
-        s = x.shape[1]
-        device = x.device
-        q = self.wq_b(q_resid).unflatten(-1, (self.n_heads, self.head_dim))  # [b, s, Hi, d]
-        k, gate_scores = self.keys(x) if keys is None else keys  # [b, S, d]
-        b, kv = mask.shape
-
-        # visible[b, i, j]: key j is causal for query i and a real token
-        query_positions = torch.arange(s, device=device) + query_offset
-        key_positions = torch.arange(kv, device=device)
-        visible = (key_positions[None, None, :] <= query_positions[None, :, None]) & mask[:, None, :]
-        first_real = torch.where(mask.any(-1), mask.long().argmax(-1), torch.full((b,), kv, device=device))
-
-        pool_keys, pool_tokens, pool_complete = self._pools(k, gate_scores, mask, first_real)
-
-        # [b, s, Hi, d] @ [b, 1, d, P] -> [b, s, Hi, P]; weighted sum over heads -> [b, s, P]
-        scores = torch.matmul(q.float(), pool_keys.transpose(-1, -2).float().unsqueeze(1))
-        scores = F.relu(scores * self.head_dim**-0.5)
-        head_weights = self.weights_proj(x).float() * self.n_heads**-0.5
-        index_scores = torch.matmul(head_weights.unsqueeze(-2), scores).squeeze(-2)
-
-        pool_last = pool_tokens[..., -1].clamp(0, kv - 1)
-        last_visible = visible.gather(-1, pool_last[:, None, :].expand(b, s, -1))
-        candidates = last_visible & pool_complete[:, None]  # [b, s, P]
-        return IndexerScores(index_scores, candidates, pool_tokens, visible, first_real)
-
-    @torch.no_grad()
-    def select(self, scored: IndexerScores, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Steps 3-4: token indices [b, s, W] int32 (into the key sequence) and the selected pools [b, s, P]
-        bool; `mask` [b, s]: the queries' padding mask."""
-        b, s = mask.shape
-        index_scores = scored.index_scores.detach()
-        candidates, pool_tokens = scored.candidates, scored.pool_tokens
-        index_scores = index_scores.masked_fill(~candidates, torch.finfo(index_scores.dtype).min)
-
-        n_select = min(self.index_topk // self.kpool, index_scores.shape[-1])
-        chosen = index_scores.topk(n_select, dim=-1).indices  # [b, s, K]
-        chosen_ok = candidates.gather(-1, chosen)
-        selected = torch.zeros_like(candidates).scatter_(-1, chosen, chosen_ok)
-        tokens = pool_tokens[torch.arange(b, device=mask.device)[:, None, None], chosen]  # [b, s, K, kpool]
-        tokens = tokens.masked_fill(~chosen_ok[..., None], -1).flatten(-2)  # [b, s, K * kpool]
-
-        if self.always_select_tail and self.kpool > 1:
-            tokens = torch.cat([tokens, self._tail(scored.visible, scored.first_real)], dim=-1)
-        width = self.output_width
-        tokens = F.pad(tokens, (0, max(width - tokens.shape[-1], 0)), value=-1)[..., :width]
-        tokens = tokens.masked_fill(~mask[..., None], -1)
-        return tokens.to(torch.int32), selected & mask[..., None]
-
-    def _pools(
-        self, k: torch.Tensor, gate_scores: torch.Tensor, mask: torch.Tensor, first_real: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Pool keys [b, P, d], their token indices [b, P, kpool] (-1 outside) and completeness [b, P]."""
+    def pools(self, keys: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> Pools:
+        """Step 1 for a key sequence: `keys` from `keys()` ([b, S, d] each), `mask` [b, S] its real tokens."""
+        k, gate_scores = keys
         b, s, _ = k.shape
+        device = k.device
+        first_real = torch.where(mask.any(-1), mask.long().argmax(-1), torch.full((b,), s, device=device))
         n_pools = (s + self.kpool - 1) // self.kpool
-        offsets = torch.arange(n_pools * self.kpool, device=k.device).view(1, n_pools, self.kpool)
+        offsets = torch.arange(n_pools * self.kpool, device=device).view(1, n_pools, self.kpool)
         tokens = first_real[:, None, None] + offsets  # [b, P, kpool]
-        batch = torch.arange(b, device=k.device)[:, None, None]
+        batch = torch.arange(b, device=device)[:, None, None]
         safe = tokens.clamp(0, s - 1)
         real = mask[batch, safe] & (tokens < s)
         complete = real.all(-1)
@@ -158,66 +120,128 @@ class DsaIndexer(nn.Module):
         pool_keys = (weights * k[batch, safe]).sum(dim=2)
         # Pools incomplete in every row are dropped (the candidate set HF scores over).
         keep = complete.any(0)
-        return pool_keys[:, keep], tokens[:, keep], complete[:, keep]
+        tokens = tokens[:, keep]
+        return Pools(
+            keys=pool_keys[:, keep], tokens=tokens, complete=complete[:, keep],
+            last=tokens[..., -1].clamp(0, s - 1), first_real=first_real, mask=mask,
+            n_real_upto=mask.long().cumsum(-1),
+        )  # fmt: skip
 
-    def _tail(self, visible: torch.Tensor, first_real: torch.Tensor) -> torch.Tensor:
-        """Token indices [b, s, kpool - 1] of each query's visible tokens after its last complete pool."""
-        b, s, kv = visible.shape
-        n_visible = visible.long().sum(-1)  # [b, s]
+    def block_rows(self, batch: int, n_pools: int) -> int:
+        """Query rows per block: the block's [b, rows, heads, P] fp32 scores stay under `score_block_bytes`."""
+        return max(1, self.score_block_bytes // max(1, 4 * batch * (self.n_heads + 2) * max(n_pools, 1)))
+
+    def scores(self, x: torch.Tensor, q_resid: torch.Tensor, pool_keys: torch.Tensor) -> torch.Tensor:
+        """Step 2 for a block of queries: x [b, r, D], q_resid [b, r, q_lora_rank], pool keys [b, P, d] or, per
+        query, [b, r, P, d] -> index scores [b, r, P] fp32."""
+        q = self.wq_b(q_resid).unflatten(-1, (self.n_heads, self.head_dim))  # [b, r, Hi, d]
+        keys = pool_keys.unsqueeze(1) if pool_keys.dim() == 3 else pool_keys  # [b, 1 or r, P, d]
+        # [b, r, Hi, d] @ [b, 1 or r, d, P] -> [b, r, Hi, P]; weighted sum over heads -> [b, r, P]
+        scores = torch.matmul(q.float(), keys.transpose(-1, -2).float())
+        scores = F.relu(scores * self.head_dim**-0.5)
+        head_weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        return torch.matmul(head_weights.unsqueeze(-2), scores).squeeze(-2)
+
+    def candidates(self, pools: Pools, positions: torch.Tensor) -> torch.Tensor:
+        """[b, r, P] bool: complete pools whose last token the queries at key positions `positions` [r] see."""
+        return pools.complete[:, None, :] & (pools.last[:, None, :] <= positions[None, :, None])
+
+    @torch.no_grad()
+    def select(
+        self,
+        x: torch.Tensor,
+        q_resid: torch.Tensor,
+        query_mask: torch.Tensor,
+        pools: Pools,
+        query_offset: int = 0,
+    ) -> Selection:
+        """Steps 2-4, block by block: x [b, s, D], q_resid [b, s, q_lora_rank] the queries, query i being key
+        `query_offset + i` of the pools' sequence; query_mask [b, s] their padding mask."""
+        b, s = query_mask.shape
+        n_pools = pools.keys.shape[1]
+        rows = self.block_rows(b, n_pools)
+        n_select = min(self.index_topk // self.kpool, n_pools)
+        parts = []
+        for start in range(0, s, rows):
+            end = min(start + rows, s)
+            positions = torch.arange(start, end, device=x.device) + query_offset
+            index_scores = self.scores(x[:, start:end], q_resid[:, start:end], pools.keys)
+            candidates = self.candidates(pools, positions)
+            index_scores = index_scores.masked_fill(~candidates, torch.finfo(index_scores.dtype).min)
+            chosen = index_scores.topk(n_select, dim=-1).indices  # [b, r, K]
+            chosen_ok = candidates.gather(-1, chosen)
+            tokens = pools.tokens[torch.arange(b, device=x.device)[:, None, None], chosen]  # [b, r, K, kpool]
+            tokens = tokens.masked_fill(~chosen_ok[..., None], -1).flatten(-2)  # [b, r, K * kpool]
+            if self.always_select_tail and self.kpool > 1:
+                tokens = torch.cat([tokens, self._tail(pools, positions)], dim=-1)
+            parts.append((tokens, chosen, chosen_ok))
+        width = self.output_width
+        tokens = torch.cat([p[0] for p in parts], dim=1)
+        tokens = F.pad(tokens, (0, max(width - tokens.shape[-1], 0)), value=-1)[..., :width]
+        tokens = tokens.masked_fill(~query_mask[..., None], -1)
+        chosen_ok = torch.cat([p[2] for p in parts], dim=1) & query_mask[..., None]
+        return Selection(tokens.to(torch.int32), torch.cat([p[1] for p in parts], dim=1), chosen_ok)
+
+    def _tail(self, pools: Pools, positions: torch.Tensor) -> torch.Tensor:
+        """Token indices [b, r, kpool - 1] of each query's visible tokens after its last complete pool."""
+        kv = pools.mask.shape[1]
+        n_visible = pools.n_real_upto[:, positions]  # [b, r]: real keys at positions <= the query's
         n_tail = n_visible.remainder(self.kpool)
-        offsets = torch.arange(self.kpool - 1, device=visible.device)
-        start = first_real[:, None] + n_visible - n_tail
-        tail = start[..., None] + offsets  # [b, s, kpool - 1]
+        offsets = torch.arange(self.kpool - 1, device=positions.device)
+        start = pools.first_real[:, None] + n_visible - n_tail
+        tail = start[..., None] + offsets  # [b, r, kpool - 1]
         ok = (offsets[None, None, :] < n_tail[..., None]) & (tail < kv)
-        ok &= visible.gather(-1, tail.clamp(0, kv - 1))
+        safe = tail.clamp(0, kv - 1)
+        ok &= (tail <= positions[None, :, None]) & pools.mask.gather(-1, safe.flatten(1)).view_as(safe)
         return tail.masked_fill(~ok, -1)
 
+    def kl_terms(
+        self, x: torch.Tensor, q_resid: torch.Tensor, pools: Pools, selection: Selection, target: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer loss's (sum over queries, number of queries with a target), block by block (docs/indexer_loss.md):
+        x, q_resid [b, s, .] the queries (detached), `selection` theirs, `target` [b, s, K] the main attention's
+        mass on each chosen pool (no gradient, `pooled_attention_mass`). The gradient reaches the indexer's
+        parameters through the index scores of the chosen pools, recomputed per block in backward."""
+        b, s = x.shape[:2]
+        n_chosen = selection.pools.shape[-1]
+        # a block holds its [b, rows, K, d] gathered pool keys and [b, rows, heads, K] scores
+        per_row = 4 * b * n_chosen * (self.head_dim + self.n_heads + 2)
+        rows = max(1, self.score_block_bytes // max(1, per_row))
+        batch = torch.arange(b, device=x.device)[:, None, None]
+        total, count = x.new_zeros((), dtype=torch.float32), x.new_zeros((), dtype=torch.float32)
 
-def indexer_kl_loss(*args: Any, **kwargs: Any) -> torch.Tensor:
-    """The KL loss itself: `indexer_kl_terms` summed, divided by the number of queries with a target."""
-    total, rows = indexer_kl_terms(*args, **kwargs)
-    return total / rows.clamp_min(1)
+        def block(
+            xb: torch.Tensor, qb: torch.Tensor, pool_keys: torch.Tensor, chosen: torch.Tensor
+        ) -> torch.Tensor:
+            return self.scores(xb, qb, pool_keys[batch, chosen])  # [b, r, K]: the chosen pools' index scores
+
+        grad = torch.is_grad_enabled()
+        for start in range(0, s, rows):
+            sl = slice(start, min(start + rows, s))
+            args = (x[:, sl], q_resid[:, sl], pools.keys, selection.pools[:, sl])
+            scores = checkpoint(block, *args, use_reentrant=False) if grad else block(*args)
+            t, n = kl_from_scores(scores, selection.pools_ok[:, sl], target[:, sl])
+            total, count = total + t, count + n
+        return total, count
 
 
-def indexer_kl_terms(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    allowed: torch.Tensor,
-    scaling: float,
-    scored: IndexerScores,
-    selected: torch.Tensor,
-    chunk_bytes: int = 256 * 1024**2,
+def kl_from_scores(
+    scores: torch.Tensor, pools_ok: torch.Tensor, mass: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """KL(attention || indexer) over each query's selected pools, averaged over the queries that have any
-    (docs/indexer_loss.md). q, k [b, H, s, d] and allowed [b, 1, s, s] as the main attention uses them (detached
-    here); `scored` from `DsaIndexer.score` (the gradient flows into its index scores only); selected [b, s, P].
+    """KL(p || r) summed over queries, and their count: scores [b, s, K] the index scores of the chosen pools,
+    pools_ok [b, s, K] which of them are selected, mass [b, s, K] the attention mass on each (no gradient).
+    p = mass normalised over the selected pools, r = softmax of the scores over the same pools; a query counts when
+    it has a selected pool with positive mass."""
+    mass = mass * pools_ok
+    norm = mass.sum(-1, keepdim=True)
+    ok = (norm.squeeze(-1) > 0) & pools_ok.any(-1)  # queries with a target
+    p = mass / norm.clamp_min(torch.finfo(mass.dtype).tiny)
+    masked = scores.masked_fill(~pools_ok, float("-inf"))
+    log_r = torch.log_softmax(torch.where(ok[..., None], masked, torch.zeros_like(masked)), -1)
+    terms = torch.where(p > 0, p * (torch.log(p.clamp_min(torch.finfo(p.dtype).tiny)) - log_r), 0.0)
+    return (terms.sum(-1) * ok).sum(), ok.sum().to(torch.float32)
 
-    Target p[i, P] = sum_{j in P} sum_h softmax_h(q k^T scaling | allowed)[i, j], normalised over the selected pools;
-    model r[i, .] = softmax of the index scores over the selected pools; loss_i = sum_P p log(p / r).
-    Computed over chunks of queries so that the [b, H, chunk, s] probabilities stay under `chunk_bytes`.
-    Returns (sum of loss_i, number of queries with a target): packed documents add both up across documents."""
-    q, k = q.detach().float(), k.detach().float()
-    b, heads, s, _ = q.shape
-    pools, kpool = scored.pool_tokens.shape[1:]
-    token_index = scored.pool_tokens.clamp(min=0).reshape(b, 1, pools * kpool)
-    token_valid = (scored.pool_tokens >= 0).reshape(b, 1, pools * kpool)
-    chunk = max(1, chunk_bytes // max(1, b * heads * s * 4))
-    total = scored.index_scores.new_zeros(())
-    rows = scored.index_scores.new_zeros(())
-    for start in range(0, s, chunk):
-        end = min(start + chunk, s)
-        logits = torch.matmul(q[:, :, start:end], k.transpose(-1, -2)) * scaling  # [b, H, c, s]
-        logits = logits.masked_fill(~allowed[:, :, start:end], float("-inf"))
-        probs = torch.nan_to_num(logits.softmax(-1)).sum(1)  # [b, c, s]: summed over heads
-        per_token = probs.gather(-1, token_index.expand(b, end - start, -1)) * token_valid
-        sel = selected[:, start:end]
-        mass = per_token.view(b, end - start, pools, kpool).sum(-1) * sel  # [b, c, P]
-        norm = mass.sum(-1, keepdim=True)
-        ok = (norm.squeeze(-1) > 0) & sel.any(-1)  # queries with a target
-        p = mass / norm.clamp_min(torch.finfo(mass.dtype).tiny)
-        scores = scored.index_scores[:, start:end].masked_fill(~sel, float("-inf"))
-        log_r = torch.log_softmax(torch.where(ok[..., None], scores, torch.zeros_like(scores)), -1)
-        terms = torch.where(p > 0, p * (torch.log(p.clamp_min(torch.finfo(p.dtype).tiny)) - log_r), 0.0)
-        total = total + (terms.sum(-1) * ok).sum()
-        rows = rows + ok.sum()
-    return total, rows
+
+def kl_loss(terms: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
+    """The indexer loss from its (sum, queries) terms."""
+    return None if terms is None else terms[0] / terms[1].clamp_min(1)

@@ -8,13 +8,17 @@ as HF's eager path; a query whose set is empty (padding rows) averages all value
 
 Packed documents: the indexer and the attention run once per document (pools start at its first token). Under
 sequence parallelism the indexer keys and selections are gathered and the attention runs head-sharded on the whole
-row (`SparseMLA.forward`, parallel/sequence.py). The mask is built per block of query rows (`sparse_attention`).
+row (`SparseMLA.forward`, parallel/sequence.py): the sparse forms move q_lat by one all-to-all and all-gather the
+latent (R values per token, instead of per-head k and v); the dense path moves q, k, v by all-to-alls.
 
-The config's `attention_impl` (`glm53_ds/backends.py`) picks how it is computed: `sdpa` (default) through torch's fused kernels, which never hold the
-[b, H, s, s] scores; `eager` as HF's expression, scores rounded to the activation dtype before the fp32 softmax.
-The two agree to ~1e-7 in fp32. In bf16 they differ by that rounding: eager matches HF bf16 (logits cosine 0.99998
-on the test config A), sdpa is nearer the fp32 result (cosine to HF fp32 0.988 on config A, where HF's own bf16
-gets 0.985), and the chaotic tiny test models amplify the difference (0.993 between the two).
+The config's `attention_impl` (`glm53_ds/backends.py`) picks how the attention is computed:
+  - `sparse` / `triton` / `auto` (default): DSA sparse attention in the absorbed latent form
+    (`sparse_attention.py`): each query reads only its W selected latent rows, O(L·W) time and memory;
+    `triton` is the fused kernel, `sparse` the torch reference, `auto` the kernel on CUDA and the reference elsewhere.
+  - `dense` / `eager`: the masked path over all L keys (O(L²) time), kept for parity: `dense` through torch's fused
+    SDPA, which never holds the [b, H, s, s] scores; `eager` as HF's expression, scores rounded to the activation
+    dtype before the fp32 softmax. In bf16 eager matches HF bf16 (logits cosine 0.99998 on the test config A),
+    dense is nearer the fp32 result; docs/numerics.md has the sparse forms' numbers.
 """
 
 from __future__ import annotations
@@ -30,14 +34,10 @@ from .. import backends
 from ..parallel.sequence import SequenceParallel
 from ..transformer_config import Glm53TransformerConfig
 from .documents import Documents
-from .dsa_indexer import DsaIndexer, IndexerScores, indexer_kl_terms
+from .dsa_indexer import DsaIndexer, Pools, Selection, kl_loss
 from .linear import ColumnLinear, RowLinear
 from .norm import RMSNorm
-
-
-def kl_loss(terms: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
-    """The indexer loss from its (sum, queries) terms."""
-    return None if terms is None else terms[0] / terms[1].clamp_min(1)
+from .sparse_attention import absorb_query, expand_output, pooled_attention_mass, sparse_latent_attention
 
 
 def topk_to_mask(topk_tokens: torch.Tensor, kv_length: int) -> torch.Tensor:
@@ -57,7 +57,7 @@ def masked_attention(
     allowed: torch.Tensor,
     scaling: float,
     dropout: float = 0.0,
-    backend: str = "sdpa",
+    backend: str = "dense",
 ) -> torch.Tensor:
     """HF's eager attention, softmax(q k^T * scaling + mask) v with the mask finfo.min where not allowed.
     q, k [b, H, s, dq], v [b, H, s, dv], allowed bool [b, 1, s, s] -> [b, s, H, dv]. `backend`: sdpa | eager.
@@ -99,20 +99,20 @@ def masked_attention(
     return out.index_put((batch_index, query_index), torch.cat(rows))
 
 
-# Query rows per block of `sparse_attention`: the block's [b, 1, rows, L] mask (and SDPA's float copy of it) stays
+# Query rows per block of `dense_attention`: the block's [b, 1, rows, L] mask (and SDPA's float copy of it) stays
 # under this many bytes.
-ATTENTION_BLOCK_BYTES = 64 * 2**20
+DENSE_BLOCK_BYTES = 64 * 2**20
 
 
-def sparse_attention(
+def dense_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     topk: torch.Tensor,
     scaling: float,
     dropout: float = 0.0,
-    backend: str = "sdpa",
-    block_bytes: int = ATTENTION_BLOCK_BYTES,
+    backend: str = "dense",
+    block_bytes: int = DENSE_BLOCK_BYTES,
 ) -> torch.Tensor:
     """`masked_attention` with the mask built from each query's selected tokens `topk` [b, L, W], over blocks of
     query rows: q, k [b, h, L, dq], v [b, h, L, dv] -> [b, L, h, dv]. Never holds the [L, L] mask: with gradients,
@@ -220,9 +220,7 @@ class SparseMLA(nn.Module):
 
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(b, s, self.num_heads, self.qk_head_dim)  # [b, s, H, dq]
-        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))  # [b, s, r]
-        kv = self.kv_b_proj(latent).view(b, s, self.num_heads, self.qk_head_dim + self.v_head_dim)
-        k, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)  # [b, s, H, dq], [b, s, H, dv]
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))  # [b, s, R]
 
         train_indexer = (
             self.indexer is not None
@@ -230,7 +228,7 @@ class SparseMLA(nn.Module):
             and self.training
             and torch.is_grad_enabled()
         )
-        scores_of: dict[int, tuple[IndexerScores, torch.Tensor]] = {}  # by document, for the indexer loss
+        indexed: list[tuple[Pools, Selection, slice]] = []  # per document, for the indexer loss
         if self.indexer is not None:
             # detached inputs: the indexer loss trains only the indexer, and the LM loss never does
             with torch.set_grad_enabled(train_indexer):
@@ -238,19 +236,18 @@ class SparseMLA(nn.Module):
                 if sp is not None:
                     keys = (sp.gather_tokens(keys[0]), sp.gather_tokens(keys[1]))  # [b, S, d] each
             parts = []
-            for d, (a, e) in enumerate(bounds):  # the documents holding this rank's queries
+            for a, e in bounds:  # the documents holding this rank's queries
                 first, last = max(a, start), min(e, start + s)
                 if first >= last:
                     continue
                 rows = slice(first - start, last - start)
                 with torch.set_grad_enabled(train_indexer):
-                    scored = self.indexer.score(
-                        x[:, rows].detach(), q_resid[:, rows].detach(), key_mask[:, a:e],
-                        keys=(keys[0][:, a:e], keys[1][:, a:e]), query_offset=first - a,
-                    )  # fmt: skip
-                selection, selected = self.indexer.select(scored, mask[:, rows])
-                parts.append(selection)
-                scores_of[d] = (scored, selected)
+                    pools = self.indexer.pools((keys[0][:, a:e], keys[1][:, a:e]), key_mask[:, a:e])
+                selection = self.indexer.select(
+                    x[:, rows], q_resid[:, rows], mask[:, rows], pools, query_offset=first - a
+                )
+                parts.append(selection.tokens)
+                indexed.append((pools, selection, rows))
             topk = torch.cat(parts, dim=1)  # [b, s, W]
             if sp is not None:
                 topk = sp.gather_tokens(topk)  # [b, S, W]
@@ -261,24 +258,48 @@ class SparseMLA(nn.Module):
         else:
             topk = shared_topk
 
-        if sp is not None:
-            q, k, v = sp.seq_to_heads(q), sp.seq_to_heads(k), sp.seq_to_heads(v)  # [b, S, H/N, d]
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, h, S, d]
+        impl = backends.resolve(backends.ATTENTION, self.attention_impl, x.device)
         dropout = self.attention_dropout if self.training else 0.0
-        outputs, terms = [], []
-        for d, (a, e) in enumerate(bounds):
-            qd, kd, vd = q[:, :, a:e], k[:, :, a:e], v[:, :, a:e]
-            outputs.append(
-                sparse_attention(qd, kd, vd, topk[:, a:e], self.scaling, dropout, self.attention_impl)
-            )  # [b, L, h, dv]
-            if train_indexer:
-                scored, selected = scores_of[d]
+        w_uk, w_uv = self.kv_b_proj.weight.view(
+            self.num_heads, self.qk_head_dim + self.v_head_dim, self.kv_lora_rank
+        ).split([self.qk_head_dim, self.v_head_dim], dim=1)  # [H, dq, R], [H, dv, R]
+        if impl in ("dense", "eager"):
+            out = self._dense(q, latent, topk, bounds, dropout, impl)  # [b, S, h, dv]
+        else:
+            q_lat = absorb_query(q, w_uk)  # [b, s, H, R]
+            keys_lat = latent
+            if sp is not None:
+                q_lat, keys_lat = (
+                    sp.seq_to_heads(q_lat),
+                    sp.gather_tokens(latent),
+                )  # [b, S, H/N, R], [b, S, R]
+                heads = self.num_heads // sp.size
+                w_uv = w_uv[sp.rank * heads : (sp.rank + 1) * heads]
+            o_lat = torch.cat(
+                [
+                    sparse_latent_attention(
+                        q_lat[:, a:e], keys_lat[:, a:e], topk[:, a:e], self.scaling, dropout, impl
+                    )
+                    for a, e in bounds
+                ],
+                dim=1,
+            )  # [b, S, h, R]
+            out = expand_output(o_lat, w_uv)  # [b, S, h, dv]
+
+        terms = []
+        if train_indexer:  # no SP here (refused at construction): the documents' rows are the whole row's
+            q_lat_target = absorb_query(q.detach(), w_uk.detach())
+            for pools, selection, rows in indexed:
+                assert self.indexer is not None
+                target = pooled_attention_mass(
+                    q_lat_target[:, rows], latent.detach()[:, rows], selection.tokens,
+                    selection.pools.shape[-1], self.indexer.kpool, self.scaling,
+                )  # fmt: skip
                 terms.append(
-                    indexer_kl_terms(
-                        qd, kd, topk_to_mask(topk[:, a:e], e - a), self.scaling, scored, selected
+                    self.indexer.kl_terms(
+                        x[:, rows].detach(), q_resid[:, rows].detach(), pools, selection, target
                     )
                 )
-        out = torch.cat(outputs, dim=1)  # [b, S, h, dv]
         self.indexer_loss_terms = (
             (torch.stack([t[0] for t in terms]).sum(), torch.stack([t[1] for t in terms]).sum())
             if terms
@@ -289,3 +310,31 @@ class SparseMLA(nn.Module):
             out = sp.heads_to_seq(out)  # [b, s, H, dv]
         out = self.o_proj(out.reshape(b, s, self.num_heads * self.v_head_dim))
         return out.transpose(0, 1), (topk if self.passes_selection else None)
+
+    def _dense(
+        self,
+        q: torch.Tensor,
+        latent: torch.Tensor,
+        topk: torch.Tensor,
+        bounds: tuple[tuple[int, int], ...],
+        dropout: float,
+        impl: str,
+    ) -> torch.Tensor:
+        """Today's dense path (`attention_impl` dense / eager), kept for parity: per-head keys and values from
+        kv_b, masked attention over all L keys of each document. q [b, s, H, dq], latent [b, s, R] -> [b, S, h, dv]."""
+        b, s = latent.shape[:2]
+        kv = self.kv_b_proj(latent).view(b, s, self.num_heads, self.qk_head_dim + self.v_head_dim)
+        k, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)  # [b, s, H, dq], [b, s, H, dv]
+        sp = self.sequence
+        if sp is not None:
+            q, k, v = sp.seq_to_heads(q), sp.seq_to_heads(k), sp.seq_to_heads(v)  # [b, S, H/N, d]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, h, S, d]
+        return torch.cat(
+            [
+                dense_attention(
+                    q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], topk[:, a:e], self.scaling, dropout, impl
+                )
+                for a, e in bounds
+            ],
+            dim=1,
+        )

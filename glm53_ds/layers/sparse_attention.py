@@ -1,0 +1,172 @@
+"""DSA sparse attention in the absorbed (latent) form: each query attends to its W selected tokens only.
+
+MLA's keys and values are one latent per token expanded per head, k_h = W_UK,h c and v_h = W_UV,h c, with c the
+normalised latent [kv_lora_rank] and W_UK,h [dq, R], W_UV,h [dv, R] the slices of `kv_b_proj`. So
+
+    q_h . k_h,j = (W_UK,h^T q_h) . c_j = q_lat,h . c_j          scores against the latent itself
+    sum_j p_hj v_h,j = W_UV,h (sum_j p_hj c_j) = W_UV,h o_lat,h     values averaged in latent space, expanded once
+
+and the attention reads one latent row per selected token for all heads (K = V = c): a [heads x R] x [R x W] GEMM
+per query, O(L·W·H·R) FLOPs and O(L·W) gathered rows, never [L, L]. Per-head k and v are never formed (at the
+released size that saves 2 x 64 x 256 values per token and layer). docs/numerics.md compares its rounding with HF's.
+
+Contract of the core (`sparse_latent_attention`), shared by the torch reference and the Triton kernel:
+    q_lat [b, L, h, R], latent [b, L, R], tokens [b, L, W] int32 (indices into the L keys, -1 = empty slot; the
+    indices of a row are distinct, as every DSA selection is) -> o_lat [b, L, h, R]
+A query whose slots are all empty (padding rows, or the first kpool-1 tokens without a tail) averages all L values,
+with HF's gradient at that point (`blind_rows`), as the dense path does.
+
+Implementations (`attention_impl`, glm53_ds/backends.py): `sparse` = the torch reference below (gather per block
+of query rows, recomputed per block in backward: only q_lat, latent and tokens are kept); `triton` = the fused
+kernels of `sparse_attention_triton.py` (forward, and backward with deterministic latent gradients); `auto` = the
+kernel on CUDA, the reference elsewhere. `dense` / `eager` stay in mla.py (today's masked attention over all L keys,
+kept for parity).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+# The torch reference's block of query rows keeps its gathered latents [b, rows, W, R] and its [b, rows, h, W] fp32
+# scores and probabilities under this many bytes.
+ATTENTION_BLOCK_BYTES = 64 * 2**20
+
+
+def absorb_query(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """q [b, s, h, dq], W_UK [h, dq, R] -> q_lat [b, s, h, R] = W_UK,h^T q_h."""
+    return torch.matmul(q.transpose(1, 2), w_uk).transpose(1, 2)
+
+
+def expand_output(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """o_lat [b, s, h, R], W_UV [h, dv, R] -> [b, s, h, dv] = W_UV,h o_lat,h."""
+    return torch.matmul(o_lat.transpose(1, 2), w_uv.transpose(1, 2)).transpose(1, 2)
+
+
+def gather_latent(latent: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """latent [b, L, R], tokens [b, r, W] (-1 = empty) -> [b, r, W, R]; empty slots read row 0 (masked later)."""
+    b, length, rank = latent.shape
+    flat = tokens.clamp(min=0).long() + (torch.arange(b, device=tokens.device) * length)[:, None, None]
+    return latent.reshape(b * length, rank)[flat.flatten()].view(*tokens.shape, rank)
+
+
+def slot_probabilities(
+    q_lat: torch.Tensor, latent: torch.Tensor, tokens: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax over each query's valid slots of q_lat . c * scaling, as HF's eager expression rounds it (scores in
+    the activation dtype, softmax in fp32): ([b, r, h, W] fp32, all-zero rows for queries with no valid slot;
+    the gathered latents [b, r, W, R])."""
+    gathered = gather_latent(latent, tokens)
+    scores = torch.matmul(q_lat, gathered.transpose(-1, -2)) * scaling  # [b, r, h, W]
+    scores = scores.masked_fill((tokens < 0)[:, :, None, :], float("-inf"))
+    probs = torch.nan_to_num(F.softmax(scores, dim=-1, dtype=torch.float32), nan=0.0)
+    return probs, gathered
+
+
+def _reference_block(
+    q_lat: torch.Tensor, latent: torch.Tensor, tokens: torch.Tensor, scaling: float, dropout: float
+) -> torch.Tensor:
+    probs, gathered = slot_probabilities(q_lat, latent, tokens, scaling)
+    probs = F.dropout(probs.to(q_lat.dtype), p=dropout, training=dropout > 0)
+    return torch.matmul(probs, gathered)  # [b, r, h, R]
+
+
+def reference_rows(
+    batch: int, heads: int, width: int, rank: int, block_bytes: int = ATTENTION_BLOCK_BYTES
+) -> int:
+    """Query rows per block of the torch reference."""
+    per_row = batch * width * (4 * rank + 12 * heads)
+    return max(1, block_bytes // max(1, per_row))
+
+
+def sparse_reference(
+    q_lat: torch.Tensor,
+    latent: torch.Tensor,
+    tokens: torch.Tensor,
+    scaling: float,
+    dropout: float = 0.0,
+    block_bytes: int = ATTENTION_BLOCK_BYTES,
+) -> torch.Tensor:
+    """The torch reference of the contract, without the blind-row rule (such rows give 0)."""
+    b, length, heads, rank = q_lat.shape
+    rows = reference_rows(b, heads, tokens.shape[-1], rank, block_bytes)
+    recompute = torch.is_grad_enabled() and (q_lat.requires_grad or latent.requires_grad)
+    parts = []
+    for i in range(0, length, rows):
+        args = (q_lat[:, i : i + rows], latent, tokens[:, i : i + rows], scaling, dropout)
+        parts.append(
+            checkpoint(_reference_block, *args, use_reentrant=False) if recompute else _reference_block(*args)
+        )
+    return torch.cat(parts, dim=1)
+
+
+def blind_rows(
+    out: torch.Tensor,
+    q_lat: torch.Tensor,
+    latent: torch.Tensor,
+    tokens: torch.Tensor,
+    scaling: float,
+    dropout: float,
+) -> torch.Tensor:
+    """`out` with the rows of queries allowed nothing replaced by HF's value there: with the mask finfo.min on every
+    key, min + score == min, so the forward is the uniform average of all values, while the gradient still flows to
+    q and k through the add (the softmax Jacobian at the uniform point): softmax(x - x.detach()) v has exactly that
+    value and gradient. One host read (whether any row is blind); the cost is proportional to such rows."""
+    blind = (tokens < 0).all(-1)  # [b, L]
+    if not blind.any():
+        return out
+    batch_index, query_index = blind.nonzero(as_tuple=True)
+    rows = []
+    for i in batch_index.unique().tolist():
+        queries = query_index[batch_index == i]
+        x = torch.matmul(q_lat[i, queries], latent[i].transpose(0, 1).unsqueeze(0)) * scaling  # [n, h, L]
+        probs = F.softmax(x - x.detach(), dim=-1, dtype=torch.float32).to(q_lat.dtype)
+        probs = F.dropout(probs, p=dropout, training=dropout > 0)
+        rows.append(torch.matmul(probs, latent[i]))  # [n, h, R]
+    return out.index_put((batch_index, query_index), torch.cat(rows))
+
+
+def sparse_latent_attention(
+    q_lat: torch.Tensor,
+    latent: torch.Tensor,
+    tokens: torch.Tensor,
+    scaling: float,
+    dropout: float = 0.0,
+    impl: str = "sparse",
+    block_bytes: int = ATTENTION_BLOCK_BYTES,
+) -> torch.Tensor:
+    """The contract above: q_lat [b, L, h, R], latent [b, L, R], tokens [b, L, W] -> o_lat [b, L, h, R].
+    `impl`: sparse (torch reference) | triton (fused kernels; attention dropout needs the reference)."""
+    if impl == "triton" and dropout == 0.0:
+        from .sparse_attention_triton import (
+            sparse_attention_triton,
+        )  # lazy: Triton reads TRITON_INTERPRET at import
+
+        out = sparse_attention_triton(q_lat, latent, tokens, scaling)
+    else:
+        out = sparse_reference(q_lat, latent, tokens, scaling, dropout, block_bytes)
+    return blind_rows(out, q_lat, latent, tokens, scaling, dropout)
+
+
+@torch.no_grad()
+def pooled_attention_mass(
+    q_lat: torch.Tensor,
+    latent: torch.Tensor,
+    tokens: torch.Tensor,
+    n_pools: int,
+    kpool: int,
+    scaling: float,
+    block_bytes: int = ATTENTION_BLOCK_BYTES,
+) -> torch.Tensor:
+    """The indexer loss's target input: the main attention's probabilities (fp32, summed over heads) on the tokens of
+    each chosen pool, [b, L, n_pools] (slots [k * kpool, (k + 1) * kpool) hold the k-th chosen pool)."""
+    q_lat, latent = q_lat.float(), latent.float()
+    b, length, heads, rank = q_lat.shape
+    rows = reference_rows(b, heads, tokens.shape[-1], rank, block_bytes)
+    parts = []
+    for i in range(0, length, rows):
+        probs, _ = slot_probabilities(q_lat[:, i : i + rows], latent, tokens[:, i : i + rows], scaling)
+        pooled = probs.sum(2)[..., : n_pools * kpool]  # [b, r, K * kpool]
+        parts.append(pooled.unflatten(-1, (n_pools, kpool)).sum(-1))
+    return torch.cat(parts, dim=1)
