@@ -65,7 +65,7 @@ def _fwd_kernel(
     q = tl.load(q_ptr + bi * s_qb + i * s_ql + offs_h[:, None] * s_qh + offs_r[None, :] * s_qr, mask=q_mask, other=0.0)
 
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    denom = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
     for w0 in range(0, W, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
@@ -81,16 +81,16 @@ def _fwd_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)
         p = tl.exp(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, 1)
+        denom = denom * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(c.dtype), c, UPCAST, PRECISION)
         m = m_new
-    seen = l > 0
-    out = acc / tl.where(seen, l, 1.0)[:, None]
+    seen = denom > 0
+    out = acc / tl.where(seen, denom, 1.0)[:, None]
     tl.store(
         o_ptr + bi * s_ob + i * s_ol + offs_h[:, None] * s_oh + offs_r[None, :] * s_or,
         out.to(o_ptr.dtype.element_ty), mask=q_mask,
     )  # fmt: skip
-    lse = tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), float("-inf"))
+    lse = tl.where(seen, m + tl.log(tl.where(seen, denom, 1.0)), float("-inf"))
     tl.store(lse_ptr + row * H + offs_h, lse, mask=mask_h)
 
 
@@ -283,14 +283,14 @@ def sparse_backward(
 
 class _SparseLatentAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_lat, latent, tokens, scaling):  # type: ignore[override]
+    def forward(ctx, q_lat, latent, tokens, scaling):
         out, lse = sparse_forward(q_lat, latent, tokens, scaling)
         ctx.save_for_backward(q_lat, latent, tokens, out, lse)
         ctx.scaling = scaling
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
+    def backward(ctx, grad_out):
         q_lat, latent, tokens, out, lse = ctx.saved_tensors
         dq, d_latent = sparse_backward(q_lat, latent, tokens, out, lse, grad_out, ctx.scaling)
         return dq, d_latent, None, None
