@@ -62,7 +62,9 @@ def _fwd_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     mask_h, mask_r = offs_h < H, offs_r < R
     q_mask = mask_h[:, None] & mask_r[None, :]
-    q = tl.load(q_ptr + bi * s_qb + i * s_ql + offs_h[:, None] * s_qh + offs_r[None, :] * s_qr, mask=q_mask, other=0.0)
+    q = tl.load(
+        q_ptr + bi * s_qb + i * s_ql + offs_h[:, None] * s_qh + offs_r[None, :] * s_qr, mask=q_mask, other=0.0
+    )
 
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     denom = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -111,7 +113,9 @@ def _bwd_dq_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     mask_h, mask_r = offs_h < H, offs_r < R
     q_mask = mask_h[:, None] & mask_r[None, :]
-    q = tl.load(q_ptr + bi * s_qb + i * s_ql + offs_h[:, None] * s_qh + offs_r[None, :] * s_qr, mask=q_mask, other=0.0)
+    q = tl.load(
+        q_ptr + bi * s_qb + i * s_ql + offs_h[:, None] * s_qh + offs_r[None, :] * s_qr, mask=q_mask, other=0.0
+    )
     dense = row * H * R + offs_h[:, None] * R + offs_r[None, :]
     do = tl.load(do_ptr + dense, mask=q_mask, other=0.0)
     lse = tl.load(lse_ptr + row * H + offs_h, mask=mask_h, other=float("-inf"))
@@ -164,7 +168,9 @@ def _bwd_slots_kernel(
         mask_h = offs_h < H
         q_mask = mask_h[:, None] & mask_r[None, :]
         q = tl.load(
-            q_ptr + bi * s_qb + i * s_ql + offs_h[:, None] * s_qh + offs_r[None, :] * s_qr, mask=q_mask, other=0.0
+            q_ptr + bi * s_qb + i * s_ql + offs_h[:, None] * s_qh + offs_r[None, :] * s_qr,
+            mask=q_mask,
+            other=0.0,
         )
         do = tl.load(do_ptr + row * H * R + offs_h[:, None] * R + offs_r[None, :], mask=q_mask, other=0.0)
         lse = tl.load(lse_ptr + row * H + offs_h, mask=mask_h, other=float("-inf"))
@@ -207,7 +213,10 @@ def _blocks(heads: int, rank: int) -> tuple[int, int, int]:
 
 
 def _modes(dtype: torch.dtype) -> tuple[bool, str]:
-    return backends.triton_interpreter_enabled() and dtype != torch.float32, "ieee" if dtype == torch.float32 else "tf32"
+    return (
+        backends.triton_interpreter_enabled() and dtype != torch.float32,
+        "ieee" if dtype == torch.float32 else "tf32",
+    )
 
 
 def _strides(t: torch.Tensor) -> tuple[int, ...]:
@@ -276,8 +285,12 @@ def sparse_backward(
             q_lat, latent, tokens, grad_out, lse, delta, g, row0, *common, **meta
         )
         sorted_keys, order = torch.sort(keys[row0 : row0 + rows].flatten(), stable=True)
-        starts = torch.searchsorted(sorted_keys, key_index)  # [n_rows + 1]: each key's run in the sorted order
-        _segment_sum_kernel[(n_rows, triton.cdiv(rank, seg_block))](g, order, starts, d_latent, rank, BLOCK_R=seg_block)
+        starts = torch.searchsorted(
+            sorted_keys, key_index
+        )  # [n_rows + 1]: each key's run in the sorted order
+        _segment_sum_kernel[(n_rows, triton.cdiv(rank, seg_block))](
+            g, order, starts, d_latent, rank, BLOCK_R=seg_block
+        )
     return dq, d_latent.view(b, length, rank).to(latent.dtype)
 
 
