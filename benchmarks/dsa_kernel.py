@@ -1,0 +1,209 @@
+"""The fused DSA sparse-attention kernel at the released width: correctness on the device, then speed and memory.
+
+Released width (config, docs/numerics.md): 64 heads, kv_lora_rank R = 512 (the absorbed form's K = V), W =
+index_topk + index_kpool - 1 = 2063 slots (kpool 16) or 2051 (kpool 4). Selections are realistic DSA ones: per query
+the top K = topk / kpool of its visible complete pools by a random score, plus its tail, -1 beyond.
+
+1. correctness at `--check-tokens` (default 2048): the kernel (`attention_impl=triton`) vs the torch reference
+   (`sparse`), fp32 and bf16, output / dq_lat / d_latent relative errors, and bitwise determinism of the backward;
+2. per `--tokens` (default 16384 32768): forward and backward time of the kernel (CUDA events, median of 3), its
+   achieved TFLOP/s (useful FLOPs: forward 4·L·W·H·R, backward 2.5× that), peak memory of forward + backward;
+   beside it dense causal SDPA (flash, per-head q, k, v of 256 dims: dense attention's best case) on the same
+   tokens and heads, its time and peak memory.
+
+    python3 benchmarks/dsa_kernel.py [--device cuda] [--tokens 16384 32768] [--kpool 16] [--small]
+
+`--small` (the CPU dry run, Triton's interpreter): 4 heads, R 32, topk 16, 256 tokens. Last line:
+`dsa_kernel fwd_tflops=… bwd_tflops=… speedup_vs_dense_at_<L>k=… max_err_fp32=…`. JSON:
+benchmarks/results/dsa_kernel_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.measure import device_description, print_table, synchronize, write_results  # noqa: E402
+
+
+def selection(length: int, topk: int, kpool: int, device: torch.device, seed: int = 0) -> torch.Tensor:
+    """int32 [1, L, topk + kpool - 1]: each query's top topk/kpool visible complete pools (random scores) expanded to
+    tokens, then its tail (the visible tokens after its last complete pool), -1 beyond. Built in blocks of queries."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    n_pools = length // kpool
+    k = topk // kpool
+    width = topk + kpool - 1
+    out = torch.full((length, width), -1, dtype=torch.int32, device=device)
+    block = max(1, (64 << 20) // (4 * max(n_pools, 1)))
+    for start in range(0, length, block):
+        end = min(start + block, length)
+        q = torch.arange(start, end, device=device)
+        visible_pools = (q + 1) // kpool  # complete pools whose last token is visible
+        scores = torch.rand(end - start, n_pools, generator=g, device=device)
+        scores = scores.masked_fill(torch.arange(n_pools, device=device)[None] >= visible_pools[:, None], -1.0)
+        chosen = scores.topk(min(k, n_pools), dim=-1).indices  # [r, K]
+        ok = chosen < visible_pools[:, None]
+        tokens = (chosen[..., None] * kpool + torch.arange(kpool, device=device)).masked_fill(~ok[..., None], -1)
+        out[start:end, : tokens.shape[1] * kpool] = tokens.flatten(1).int()
+        tail_start = visible_pools * kpool
+        tail = tail_start[:, None] + torch.arange(kpool - 1, device=device)
+        out[start:end, topk:] = torch.where(tail <= q[:, None], tail, -1).int()
+    return out[None]
+
+
+def cuda_time(fn: Callable[[], Any], device: torch.device, repeats: int = 3) -> float:
+    fn()
+    synchronize(device)
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def peak_bytes(fn: Callable[[], Any], device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
+
+def check(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    from glm53_ds.layers.sparse_attention import sparse_latent_attention
+
+    tokens = selection(args.check_tokens, args.topk, args.kpool, device)
+    g = torch.Generator(device=device).manual_seed(1)
+    q = torch.randn(1, args.check_tokens, args.heads, args.rank, generator=g, device=device)
+    c = torch.randn(1, args.check_tokens, args.rank, generator=g, device=device)
+    grad = torch.randn(q.shape, generator=g, device=device)
+    scaling = args.dq**-0.5
+    result: dict[str, Any] = {}
+
+    def run(impl: str, dtype: torch.dtype) -> list[torch.Tensor]:
+        leaves = [q.to(dtype).requires_grad_(True), c.to(dtype).requires_grad_(True)]
+        out = sparse_latent_attention(*leaves, tokens, scaling, impl=impl)
+        dq, dc = torch.autograd.grad(out, leaves, grad.to(dtype))
+        return [out.detach(), dq, dc]
+
+    ref = run("sparse", torch.float32)
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        got = run("triton", dtype)
+        result[name] = {what: rel(a, r) for what, a, r in zip(("out", "dq", "d_latent"), got, ref, strict=True)}
+        again = run("triton", dtype)
+        result[name]["deterministic"] = all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
+    return result
+
+
+def speed(args: argparse.Namespace, device: torch.device, length: int) -> dict[str, Any]:
+    from glm53_ds.layers.sparse_attention_triton import sparse_backward, sparse_forward
+
+    dtype = torch.bfloat16
+    tokens = selection(length, args.topk, args.kpool, device)
+    width = tokens.shape[-1]
+    g = torch.Generator(device=device).manual_seed(2)
+    q = torch.randn(1, length, args.heads, args.rank, generator=g, device=device).to(dtype)
+    c = torch.randn(1, length, args.rank, generator=g, device=device).to(dtype)
+    grad = torch.randn(q.shape, generator=g, device=device).to(dtype)
+    scaling = args.dq**-0.5
+    state: dict[str, Any] = {}
+
+    def forward() -> None:
+        state["out"], state["lse"] = sparse_forward(q, c, tokens, scaling)
+
+    def backward() -> None:
+        sparse_backward(q, c, tokens, state["out"], state["lse"], grad, scaling)
+
+    def both() -> None:
+        forward()
+        backward()
+
+    fwd_s = cuda_time(forward, device)
+    bwd_s = cuda_time(backward, device)
+    peak = peak_bytes(both, device)
+    flops_fwd = 4.0 * length * width * args.heads * args.rank
+    row: dict[str, Any] = dict(tokens=length, width=width, fwd_ms=fwd_s * 1e3, bwd_ms=bwd_s * 1e3,
+                               fwd_tflops=flops_fwd / fwd_s / 1e12, bwd_tflops=2.5 * flops_fwd / bwd_s / 1e12,
+                               peak_gib=None if peak is None else peak / 2**30)  # fmt: skip
+    del state
+    # dense causal attention at the same heads, per-head dims dq = dv (flash SDPA: dense attention's best case)
+    qd, kd, vd = (
+        torch.randn(1, args.heads, length, args.dq, device=device, dtype=dtype).requires_grad_(True) for _ in range(3)
+    )
+    grad_d = torch.randn(1, args.heads, length, args.dq, device=device, dtype=dtype)
+
+    def dense() -> None:
+        out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scaling)
+        out.backward(grad_d)
+
+    dense_s = cuda_time(dense, device)
+    dense_peak = peak_bytes(dense, device)
+    row.update(dense_fwd_bwd_ms=dense_s * 1e3, speedup_vs_dense=dense_s / (fwd_s + bwd_s),
+               dense_peak_gib=None if dense_peak is None else dense_peak / 2**30)  # fmt: skip
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768])
+    parser.add_argument("--check-tokens", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--rank", type=int, default=512)
+    parser.add_argument("--dq", type=int, default=256)
+    parser.add_argument("--topk", type=int, default=2048)
+    parser.add_argument("--kpool", type=int, default=16)
+    parser.add_argument("--small", action="store_true", help="CPU dry run sizes (Triton interpreter)")
+    args = parser.parse_args()
+    if args.small:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        args.heads, args.rank, args.dq, args.topk, args.kpool = 4, 32, 16, 16, 4
+        args.tokens, args.check_tokens = [256], 64
+    device = torch.device(args.device)
+    correctness = check(args, device)
+    print("correctness vs the torch reference:", correctness)
+    rows = [speed(args, device, length) for length in args.tokens]
+    print_table(rows, list(rows[0]))
+    path = write_results(
+        f"dsa_kernel_{device.type}",
+        dict(device=device_description(device), heads=args.heads, rank=args.rank, topk=args.topk,
+             kpool=args.kpool, correctness=correctness, rows=rows),
+    )  # fmt: skip
+    print(f"results: {path}")
+    last = rows[-1]
+    worst = max(correctness["fp32"][k] for k in ("out", "dq", "d_latent"))
+    print(
+        f"dsa_kernel fwd_tflops={last['fwd_tflops']:.1f} bwd_tflops={last['bwd_tflops']:.1f} "
+        f"speedup_vs_dense_at_{last['tokens'] // 1024}k={last['speedup_vs_dense']:.2f} max_err_fp32={worst:.1e} "
+        f"deterministic={correctness['bf16']['deterministic'] and correctness['fp32']['deterministic']}"
+    )
+
+
+if __name__ == "__main__":
+    main()
