@@ -50,10 +50,14 @@ def selection(length: int, topk: int, kpool: int, device: torch.device, seed: in
         q = torch.arange(start, end, device=device)
         visible_pools = (q + 1) // kpool  # complete pools whose last token is visible
         scores = torch.rand(end - start, n_pools, generator=g, device=device)
-        scores = scores.masked_fill(torch.arange(n_pools, device=device)[None] >= visible_pools[:, None], -1.0)
+        scores = scores.masked_fill(
+            torch.arange(n_pools, device=device)[None] >= visible_pools[:, None], -1.0
+        )
         chosen = scores.topk(min(k, n_pools), dim=-1).indices  # [r, K]
         ok = chosen < visible_pools[:, None]
-        tokens = (chosen[..., None] * kpool + torch.arange(kpool, device=device)).masked_fill(~ok[..., None], -1)
+        tokens = (chosen[..., None] * kpool + torch.arange(kpool, device=device)).masked_fill(
+            ~ok[..., None], -1
+        )
         out[start:end, : tokens.shape[1] * kpool] = tokens.flatten(1).int()
         tail_start = visible_pools * kpool
         tail = tail_start[:, None] + torch.arange(kpool - 1, device=device)
@@ -115,7 +119,9 @@ def check(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     ref = run("sparse", torch.float32)
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         got = run("triton", dtype)
-        result[name] = {what: rel(a, r) for what, a, r in zip(("out", "dq", "d_latent"), got, ref, strict=True)}
+        result[name] = {
+            what: rel(a, r) for what, a, r in zip(("out", "dq", "d_latent"), got, ref, strict=True)
+        }
         again = run("triton", dtype)
         result[name]["deterministic"] = all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
     return result
@@ -151,10 +157,10 @@ def speed(args: argparse.Namespace, device: torch.device, length: int) -> dict[s
     row: dict[str, Any] = dict(tokens=length, width=width, fwd_ms=fwd_s * 1e3, bwd_ms=bwd_s * 1e3,
                                fwd_tflops=flops_fwd / fwd_s / 1e12, bwd_tflops=2.5 * flops_fwd / bwd_s / 1e12,
                                peak_gib=None if peak is None else peak / 2**30)  # fmt: skip
-    del state
     # dense causal attention at the same heads, per-head dims dq = dv (flash SDPA: dense attention's best case)
     qd, kd, vd = (
-        torch.randn(1, args.heads, length, args.dq, device=device, dtype=dtype).requires_grad_(True) for _ in range(3)
+        torch.randn(1, args.heads, length, args.dq, device=device, dtype=dtype).requires_grad_(True)
+        for _ in range(3)
     )
     grad_d = torch.randn(1, args.heads, length, args.dq, device=device, dtype=dtype)
 

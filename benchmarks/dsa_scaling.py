@@ -69,7 +69,9 @@ def build_layer(impl: str, device: torch.device) -> Any:
 
     cfg = glm53_ds.Glm53Config.from_text_dict(TEXT)
     torch.manual_seed(0)
-    layer = SparseMLA(glm53_ds.make_transformer_config(cfg, torch.float32, attention_impl=impl), layer_index=1)
+    layer = SparseMLA(
+        glm53_ds.make_transformer_config(cfg, torch.float32, attention_impl=impl), layer_index=1
+    )
     with torch.no_grad():  # realistic scales: unit-variance projections, a selective indexer
         for name, p in layer.named_parameters():
             if p.dim() == 2:
