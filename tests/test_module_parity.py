@@ -68,7 +68,7 @@ def test_indexer_selection_exactly_equal(models, padding, layer, block_bytes, mo
     hf_attn, our_attn = hf.layers[layer].self_attn, ours.decoder.layers[layer].self_attention
     if block_bytes is not None:
         monkeypatch.setattr(our_attn.indexer, "score_block_bytes", block_bytes)
-        assert our_attn.indexer.block_rows(x.shape[0], 8) == 1
+        assert our_attn.indexer.block_rows(x.shape[0], 8, x.device) == 1
     with torch.no_grad():
         q_resid = hf_attn.q_a_layernorm(hf_attn.q_a_proj(x))
         ref = hf_attn.indexer(hidden_states=x, q_resid=q_resid, attention_mask=mask, past_key_values=None)

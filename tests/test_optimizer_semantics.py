@@ -91,7 +91,7 @@ def _case(seed: int = 0, rows_per_block: int | None = None):
     mask[1, :3] = False  # left padding in the second row
     if rows_per_block is not None:  # stream the scores over blocks of this many query rows
         indexer.score_block_bytes = 1
-        indexer.block_rows = lambda batch, n_pools: rows_per_block
+        indexer.block_rows = lambda *args: rows_per_block
     pools = indexer.pools(indexer.keys(x), mask)
     selection = indexer.select(x, q_resid, mask, pools)
     q_lat, latent = torch.randn(b, s, heads, rank, generator=g), torch.randn(b, s, rank, generator=g)
@@ -151,14 +151,15 @@ def test_kl_loss_and_gradient_match_the_reference():
 
 
 def test_streamed_kl_terms_equal_the_whole_sequence_ones():
-    """`kl_terms` over blocks of 5 query rows (selection streamed over blocks of 4): the same loss and indexer
-    parameter gradients as the unstreamed expression on the whole [b, s, P] scores, within fp32 rounding."""
+    """`kl_terms` one query row per block (a 1-byte block budget; the selection streamed over blocks of 4): the same
+    loss and indexer parameter gradients as the unstreamed expression on the whole [b, s, P] scores, within fp32
+    rounding."""
     indexer, x, q_resid, mask, pools, selection, q_lat, latent, target, scaling = _case(rows_per_block=4)
     whole = _case()
     assert torch.equal(selection.tokens, whole[5].tokens) and torch.equal(
         selection.pools_ok, whole[5].pools_ok
     )
-    indexer.block_rows = lambda batch, n_pools: 5
+    assert indexer.block_bytes(x.device) == 1
     total, count = indexer.kl_terms(x, q_resid, pools, selection, target)
     grads = torch.autograd.grad(total / count, list(indexer.parameters()))
     pools2 = indexer.pools(indexer.keys(x), mask)

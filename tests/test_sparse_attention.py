@@ -124,7 +124,7 @@ def _random_case(b=2, length=45, heads=3, rank=24, width=12, dtype=torch.float32
             n = min(i + 1, width - 3)  # -1 slots at the end of every row
             tokens[bi, i, :n] = torch.randperm(i + 1, generator=g)[:n].int()
     tokens[0, :4] = -1  # blind rows
-    tokens[1, 10, 2:5] = -1  # -1 slots in the middle
+    tokens[-1, min(10, length - 1), 2:5] = -1  # -1 slots in the middle
     return q, c, tokens
 
 
@@ -216,3 +216,61 @@ def test_bf16_logits_vs_transformers(tmp_path):
                 else:
                     hf_cos = F.cosine_similarity(ref, truth, dim=0).item()
                     assert F.cosine_similarity(logits, truth, dim=0).item() >= hf_cos - 1e-3, impl
+
+
+def test_kernel_at_the_released_latent_width():
+    """R = 512 (the released kv_lora_rank: BLOCK_R 512, the smallest head and slot tiles), fp32 vs the reference."""
+    q, c, tokens = _random_case(b=1, length=6, heads=2, rank=512, width=5)
+    ref = _grads(lambda *a: sparse_reference(*a, 0.05), q, c, tokens)
+    got = _grads(lambda *a: sparse_attention_triton(*a, 0.05), q, c, tokens)
+    for what, a, r in zip(("out", "dq", "dc"), got, ref, strict=True):
+        assert rel_err(a, r) <= 1e-5, (what, rel_err(a, r))
+
+
+def _indexer_case(length: int):
+    cfg = glm53_ds.Glm53Config.from_text_dict(dict(BASE_TEXT, index_kpool=4, index_topk=16))
+    torch.manual_seed(0)
+    indexer = DsaIndexer(glm53_ds.make_transformer_config(cfg))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, length, cfg.hidden_size, generator=g)
+    q_resid = torch.randn(1, length, cfg.q_lora_rank, generator=g)
+    return indexer, x, q_resid, torch.ones(1, length, dtype=torch.bool)
+
+
+def test_indexer_memory_is_linear_in_length():
+    """The streamed indexer holds no [s, S] or [s, P] tensor: its peak allocation at 1024 tokens stays under one
+    [s, P] fp32 score matrix (1 MiB here) with a 64 KiB block budget, and doubles (not quadruples) from 512 to
+    1024 tokens. Control: one block for the whole sequence (the old shape of the computation) exceeds it."""
+    from benchmarks.measure import peak_extra_bytes
+
+    def peak(length: int, block_bytes: int) -> int:
+        indexer, x, q_resid, mask = _indexer_case(length)
+        indexer.score_block_bytes = block_bytes
+        return peak_extra_bytes(lambda: indexer(x, q_resid, mask), [x, q_resid, mask, *indexer.parameters()])
+
+    whole_scores = 1024 * (1024 // 4) * 4  # [s, P] fp32
+    streamed = peak(1024, 64 * 1024)
+    assert streamed < whole_scores, (streamed, whole_scores)
+    assert peak(1024, 64 * 1024) / peak(512, 64 * 1024) < 2.5
+    assert peak(1024, 1 << 40) > 2 * whole_scores  # control: the unstreamed block holds [s, heads, P]
+
+
+def test_sparse_reference_memory_is_linear_in_length():
+    """Forward + backward of the torch reference: peak allocation grows linearly in L at fixed W (ratio < 2.5 from
+    512 to 1024 tokens), under one [L, L] fp32 matrix at 1024 tokens."""
+    from benchmarks.measure import peak_extra_bytes
+
+    def peak(length: int) -> int:
+        q, c, tokens = _random_case(b=1, length=length, heads=2, rank=16, width=12)
+        q.requires_grad_(True)
+        c.requires_grad_(True)
+
+        def step() -> None:
+            out = sparse_latent_attention(q, c, tokens, 0.3, impl="sparse", block_bytes=64 * 1024)
+            out.backward(torch.ones_like(out))
+
+        return peak_extra_bytes(step, [q, c, tokens])
+
+    small, large = peak(512), peak(1024)
+    assert large / small < 2.5, (small, large)
+    assert large < 1024 * 1024 * 4

@@ -38,8 +38,9 @@ from torch.utils.checkpoint import checkpoint
 from ..transformer_config import Glm53TransformerConfig
 from .linear import ColumnLinear
 
-# One block of query rows holds its [b, rows, heads, P] fp32 scores (and their weighted sum) under this many bytes.
-SCORE_BLOCK_BYTES = 64 * 2**20
+# One block of query rows holds its [b, rows, heads, P] fp32 scores (and their weighted sum) under this many bytes:
+# small on CPU (cache), larger on CUDA (fewer, fuller launches: 128k tokens at kpool 4 are ~550 blocks).
+SCORE_BLOCK_BYTES = {"cpu": 64 * 2**20, "cuda": 2**30}
 
 
 @dataclass
@@ -81,7 +82,7 @@ class DsaIndexer(nn.Module):
         self.index_kpool_compress_gate = nn.Parameter(
             torch.ones(self.head_dim, cfg.hidden_size, dtype=config.params_dtype)
         )
-        self.score_block_bytes = SCORE_BLOCK_BYTES
+        self.score_block_bytes: int | None = None  # None: SCORE_BLOCK_BYTES of the device
         # The LM loss gives the indexer no gradient: frozen unless its own loss trains it.
         self.requires_grad_(config.indexer_loss_coef > 0)
 
@@ -127,9 +128,14 @@ class DsaIndexer(nn.Module):
             n_real_upto=mask.long().cumsum(-1),
         )  # fmt: skip
 
-    def block_rows(self, batch: int, n_pools: int) -> int:
-        """Query rows per block: the block's [b, rows, heads, P] fp32 scores stay under `score_block_bytes`."""
-        return max(1, self.score_block_bytes // max(1, 4 * batch * (self.n_heads + 2) * max(n_pools, 1)))
+    def block_bytes(self, device: torch.device) -> int:
+        if self.score_block_bytes is not None:
+            return self.score_block_bytes
+        return SCORE_BLOCK_BYTES["cuda" if device.type == "cuda" else "cpu"]
+
+    def block_rows(self, batch: int, n_pools: int, device: torch.device) -> int:
+        """Query rows per block: the block's [b, rows, heads, P] fp32 scores stay under `block_bytes`."""
+        return max(1, self.block_bytes(device) // max(1, 4 * batch * (self.n_heads + 2) * max(n_pools, 1)))
 
     def scores(self, x: torch.Tensor, q_resid: torch.Tensor, pool_keys: torch.Tensor) -> torch.Tensor:
         """Step 2 for a block of queries: x [b, r, D], q_resid [b, r, q_lora_rank], pool keys [b, P, d] or, per
@@ -159,7 +165,7 @@ class DsaIndexer(nn.Module):
         `query_offset + i` of the pools' sequence; query_mask [b, s] their padding mask."""
         b, s = query_mask.shape
         n_pools = pools.keys.shape[1]
-        rows = self.block_rows(b, n_pools)
+        rows = self.block_rows(b, n_pools, x.device)
         n_select = min(self.index_topk // self.kpool, n_pools)
         parts = []
         for start in range(0, s, rows):
@@ -206,7 +212,7 @@ class DsaIndexer(nn.Module):
         n_chosen = selection.pools.shape[-1]
         # a block holds its [b, rows, K, d] gathered pool keys and [b, rows, heads, K] scores
         per_row = 4 * b * n_chosen * (self.head_dim + self.n_heads + 2)
-        rows = max(1, self.score_block_bytes // max(1, per_row))
+        rows = max(1, self.block_bytes(x.device) // max(1, per_row))
         batch = torch.arange(b, device=x.device)[:, None, None]
         total, count = x.new_zeros((), dtype=torch.float32), x.new_zeros((), dtype=torch.float32)
 
