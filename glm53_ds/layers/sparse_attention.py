@@ -85,14 +85,14 @@ class _ReferenceBlock(torch.autograd.Function):
     (ds^T q_lat + p^T dO, `baddbmm`), scattered into d_latent by `index_add_`."""
 
     @staticmethod
-    def forward(ctx, q_lat, latent, tokens, scaling):  # type: ignore[no-untyped-def]
+    def forward(ctx, q_lat, latent, tokens, scaling):
         probs, gathered = slot_probabilities(q_lat, latent, tokens, scaling)
         ctx.save_for_backward(q_lat, latent, tokens)
         ctx.scaling = scaling
         return _bmm(probs.to(q_lat.dtype), gathered)  # [b, r, h, R]
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[no-untyped-def]
+    def backward(ctx, grad_out):
         q_lat, latent, tokens = ctx.saved_tensors
         scaling = ctx.scaling
         probs, gathered = slot_probabilities(
