@@ -37,7 +37,13 @@ from .documents import Documents
 from .dsa_indexer import DsaIndexer, Pools, Selection, kl_loss
 from .linear import ColumnLinear, RowLinear
 from .norm import RMSNorm
-from .sparse_attention import absorb_query, expand_output, pooled_attention_mass, sparse_latent_attention
+from .sparse_attention import (
+    absorb_query,
+    blind_rows,
+    expand_output,
+    pooled_attention_mass,
+    sparse_latent_attention,
+)
 
 
 def topk_to_mask(topk_tokens: torch.Tensor, kv_length: int) -> torch.Tensor:
@@ -86,17 +92,7 @@ def masked_attention(
     )
     out = out.transpose(1, 2)  # [b, s, H, dv]
     blind = ~sees_something[:, 0, :, 0]  # [b, s]
-    if not blind.any():
-        return out
-    batch_index, query_index = blind.nonzero(as_tuple=True)  # sorted by batch element, then position
-    rows = []
-    for i in batch_index.unique().tolist():
-        queries = query_index[batch_index == i]
-        x = torch.matmul(q[i][:, queries], k[i].transpose(-1, -2)) * scaling  # [H, n, s]
-        probs = F.softmax(x - x.detach(), dim=-1, dtype=torch.float32).to(q.dtype)
-        probs = F.dropout(probs, p=dropout, training=dropout > 0)
-        rows.append(torch.matmul(probs, v[i]).transpose(0, 1))  # [n, H, dv]
-    return out.index_put((batch_index, query_index), torch.cat(rows))
+    return blind_rows(out, blind, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scaling, dropout)
 
 
 # Query rows per block of `dense_attention`: the block's [b, 1, rows, L] mask (and SDPA's float copy of it) stays

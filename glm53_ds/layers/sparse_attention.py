@@ -184,27 +184,29 @@ def sparse_reference(
 
 def blind_rows(
     out: torch.Tensor,
-    q_lat: torch.Tensor,
-    latent: torch.Tensor,
-    tokens: torch.Tensor,
+    blind: torch.Tensor,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
     scaling: float,
     dropout: float,
 ) -> torch.Tensor:
-    """`out` with the rows of queries allowed nothing replaced by HF's value there: with the mask finfo.min on every
-    key, min + score == min, so the forward is the uniform average of all values, while the gradient still flows to
-    q and k through the add (the softmax Jacobian at the uniform point): softmax(x - x.detach()) v has exactly that
-    value and gradient. One host read (whether any row is blind); the cost is proportional to such rows."""
-    blind = (tokens < 0).all(-1)  # [b, L]
+    """`out` [b, s, h, dv] with the rows of queries allowed nothing (`blind` [b, s]) replaced by HF's value there:
+    with the mask finfo.min on every key, min + score == min, so the forward is the uniform average of all values,
+    while the gradient still flows to q and k through the add (the softmax Jacobian at the uniform point):
+    softmax(x - x.detach()) v has exactly that value and gradient. q [b, s, h, d], keys [b, L, h or 1, d], values
+    [b, L, h or 1, dv] (the dense path's per-head k, v; the latent form's latent for both). One host read (whether
+    any row is blind); the cost is proportional to such rows."""
     if not blind.any():
         return out
-    batch_index, query_index = blind.nonzero(as_tuple=True)
+    batch_index, query_index = blind.nonzero(as_tuple=True)  # sorted by batch element, then position
     rows = []
     for i in batch_index.unique().tolist():
         queries = query_index[batch_index == i]
-        x = torch.matmul(q_lat[i, queries], latent[i].transpose(0, 1).unsqueeze(0)) * scaling  # [n, h, L]
-        probs = F.softmax(x - x.detach(), dim=-1, dtype=_softmax_dtype(x)).to(q_lat.dtype)
+        x = torch.matmul(q[i, queries].transpose(0, 1), keys[i].permute(1, 2, 0)) * scaling  # [h, n, L]
+        probs = F.softmax(x - x.detach(), dim=-1, dtype=_softmax_dtype(x)).to(q.dtype)
         probs = F.dropout(probs, p=dropout, training=dropout > 0)
-        rows.append(torch.matmul(probs, latent[i]))  # [n, h, R]
+        rows.append(torch.matmul(probs, values[i].transpose(0, 1)).transpose(0, 1))  # [n, h, dv]
     return out.index_put((batch_index, query_index), torch.cat(rows))
 
 
@@ -227,7 +229,8 @@ def sparse_latent_attention(
         out = sparse_attention_triton(q_lat, latent, tokens, scaling)
     else:
         out = sparse_reference(q_lat, latent, tokens, scaling, dropout, block_bytes)
-    return blind_rows(out, q_lat, latent, tokens, scaling, dropout)
+    keys = latent.unsqueeze(2)  # [b, L, 1, R]: K = V = the latent, shared by the heads
+    return blind_rows(out, (tokens < 0).all(-1), q_lat, keys, keys, scaling, dropout)
 
 
 @torch.no_grad()

@@ -46,6 +46,18 @@ def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _load_slots(t_ptr, c_ptr, bi, i, offs_w, W, offs_r, mask_r, s_tb, s_tl, s_tw, s_cb, s_cl, s_cr):
+    """Query i's slots offs_w: which are valid, and their latent rows [BLOCK_W, BLOCK_R] (0 where not)."""
+    tok = tl.load(t_ptr + bi * s_tb + i * s_tl + offs_w * s_tw, mask=offs_w < W, other=-1).to(tl.int64)
+    valid = tok >= 0
+    c = tl.load(
+        c_ptr + bi * s_cb + tok[:, None] * s_cl + offs_r[None, :] * s_cr,
+        mask=valid[:, None] & mask_r[None, :], other=0.0,
+    )  # fmt: skip
+    return valid, c
+
+
+@triton.jit
 def _fwd_kernel(
     q_ptr, c_ptr, t_ptr, o_ptr, lse_ptr,
     L, W, H, R, scaling,
@@ -71,12 +83,9 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
     for w0 in range(0, W, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
-        tok = tl.load(t_ptr + bi * s_tb + i * s_tl + offs_w * s_tw, mask=offs_w < W, other=-1).to(tl.int64)
-        valid = tok >= 0
-        c = tl.load(
-            c_ptr + bi * s_cb + tok[:, None] * s_cl + offs_r[None, :] * s_cr,
-            mask=valid[:, None] & mask_r[None, :], other=0.0,
-        )  # [BLOCK_W, BLOCK_R]  # fmt: skip
+        valid, c = _load_slots(
+            t_ptr, c_ptr, bi, i, offs_w, W, offs_r, mask_r, s_tb, s_tl, s_tw, s_cb, s_cl, s_cr
+        )  # [BLOCK_W], [BLOCK_W, BLOCK_R]
         s = _dot(q, tl.trans(c), UPCAST, PRECISION) * scaling  # [BLOCK_H, BLOCK_W]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -125,12 +134,9 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
     for w0 in range(0, W, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
-        tok = tl.load(t_ptr + bi * s_tb + i * s_tl + offs_w * s_tw, mask=offs_w < W, other=-1).to(tl.int64)
-        valid = tok >= 0
-        c = tl.load(
-            c_ptr + bi * s_cb + tok[:, None] * s_cl + offs_r[None, :] * s_cr,
-            mask=valid[:, None] & mask_r[None, :], other=0.0,
-        )  # fmt: skip
+        valid, c = _load_slots(
+            t_ptr, c_ptr, bi, i, offs_w, W, offs_r, mask_r, s_tb, s_tl, s_tw, s_cb, s_cl, s_cr
+        )  # [BLOCK_W], [BLOCK_W, BLOCK_R]
         s = _dot(q, tl.trans(c), UPCAST, PRECISION) * scaling
         p = tl.where(valid[None, :], tl.exp(s - lse_safe[:, None]), 0.0)  # [BLOCK_H, BLOCK_W]
         dp = _dot(do, tl.trans(c), UPCAST, PRECISION)
@@ -156,12 +162,9 @@ def _bwd_slots_kernel(
     offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     offs_r = tl.arange(0, BLOCK_R)
     mask_w, mask_r = offs_w < W, offs_r < R
-    tok = tl.load(t_ptr + bi * s_tb + i * s_tl + offs_w * s_tw, mask=mask_w, other=-1).to(tl.int64)
-    valid = tok >= 0
-    c = tl.load(
-        c_ptr + bi * s_cb + tok[:, None] * s_cl + offs_r[None, :] * s_cr,
-        mask=valid[:, None] & mask_r[None, :], other=0.0,
-    )  # [BLOCK_W, BLOCK_R]  # fmt: skip
+    valid, c = _load_slots(
+        t_ptr, c_ptr, bi, i, offs_w, W, offs_r, mask_r, s_tb, s_tl, s_tw, s_cb, s_cl, s_cr
+    )  # [BLOCK_W], [BLOCK_W, BLOCK_R]
     g = tl.zeros([BLOCK_W, BLOCK_R], dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
