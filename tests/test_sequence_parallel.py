@@ -87,7 +87,9 @@ def test_sp_training_steps_match_one_process(tmp_path, sp_checkpoint, sp_calm_ch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sp, attention", [(2, None), (4, None), (2, "triton")], ids=["sp2", "sp4", "sp2_triton"])
+@pytest.mark.parametrize(
+    "sp, attention", [(2, None), (4, None), (2, "triton")], ids=["sp2", "sp4", "sp2_triton"]
+)
 def test_sp_matches_one_process_per_module_and_model(tmp_path, sp_checkpoint, sp, attention, monkeypatch):
     """attention None: the default (the sparse torch reference on CPU); "triton": the fused DSA kernel through
     Triton's interpreter on every rank (GLM53_ATTENTION reaches the ranks' configs)."""
