@@ -66,7 +66,7 @@ def masked_attention(
     backend: str = "dense",
 ) -> torch.Tensor:
     """HF's eager attention, softmax(q k^T * scaling + mask) v with the mask finfo.min where not allowed.
-    q, k [b, H, s, dq], v [b, H, s, dv], allowed bool [b, 1, s, s] -> [b, s, H, dv]. `backend`: sdpa | eager.
+    q, k [b, H, s, dq], v [b, H, s, dv], allowed bool [b, 1, s, s] -> [b, s, H, dv]. `backend`: dense | eager.
 
     SDPA's fused kernels (flash on CPU, memory-efficient on CUDA) never hold the [b, H, s, s] scores and
     probabilities that eager attention keeps for backward: 82 MiB instead of 1.6 GiB for a fwd+bwd at 4096 tokens
@@ -259,6 +259,7 @@ class SparseMLA(nn.Module):
         w_uk, w_uv = self.kv_b_proj.weight.view(
             self.num_heads, self.qk_head_dim + self.v_head_dim, self.kv_lora_rank
         ).split([self.qk_head_dim, self.v_head_dim], dim=1)  # [H, dq, R], [H, dv, R]
+        q_lat = None
         if impl in ("dense", "eager"):
             out = self._dense(q, latent, topk, bounds, dropout, impl)  # [b, S, h, dv]
         else:
@@ -284,7 +285,8 @@ class SparseMLA(nn.Module):
 
         terms = []
         if train_indexer:  # no SP here (refused at construction): the documents' rows are the whole row's
-            q_lat_target = absorb_query(q.detach(), w_uk.detach())
+            # the sparse forms' own q_lat (no SP here, so it is still the local one); the dense path absorbs it now
+            q_lat_target = absorb_query(q.detach(), w_uk.detach()) if q_lat is None else q_lat.detach()
             for pools, selection, rows in indexed:
                 assert self.indexer is not None
                 target = pooled_attention_mass(
