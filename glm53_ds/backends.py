@@ -1,15 +1,16 @@
 """Kernel backends, chosen by configuration: one resolver for every kernel choice of the model.
 
-Three fields of `Glm53TransformerConfig` pick how a part of the model is computed:
+Four fields of `Glm53TransformerConfig` pick how a part of the model is computed:
 
 | field           | values                 | default | what                                                          |
 |-----------------|------------------------|---------|---------------------------------------------------------------|
 | `attention_impl`| `auto`, `sparse`, `triton`, `dense`, `eager` | `auto` | MLA core: DSA sparse attention (Triton kernel on CUDA, torch reference elsewhere), or the dense masked path (fused SDPA, or HF's eager expression) |
 | `kda_impl`      | `auto`, `torch`, `fla` | `auto`  | KDA chunked delta rule: fla-core's kernel on CUDA when installed |
 | `hc_post_impl`  | `auto`, `eager`, `triton` | `auto` | mHC write-back: fused Triton kernels on CUDA                |
+| `moe_impl`      | `auto`, `grouped`, `loop` | `auto` | routed experts: grouped GEMMs over tokens sorted by expert, or the per-expert reference loop (`auto`: grouped when the sizes meet the grouped GEMM's 16-byte alignment) |
 
 Environment variables only supply the defaults, read when a config is built (`GLM53_ATTENTION`, `GLM53_KDA`,
-`GLM53_HC_POST`); a config's value is then what runs. `auto` is resolved per call from the tensors' device.
+`GLM53_HC_POST`, `GLM53_MOE`); a config's value is then what runs. `auto` is resolved per call from the tensors' device.
 """
 
 from __future__ import annotations
@@ -19,16 +20,17 @@ import os
 
 import torch
 
-ATTENTION, KDA, HC_POST = "attention_impl", "kda_impl", "hc_post_impl"
+ATTENTION, KDA, HC_POST, MOE = "attention_impl", "kda_impl", "hc_post_impl", "moe_impl"
 CHOICES = {
     ATTENTION: ("auto", "sparse", "triton", "dense", "eager"),
     KDA: ("auto", "torch", "fla"),
     HC_POST: ("auto", "eager", "triton"),
+    MOE: ("auto", "grouped", "loop"),
 }
-ENV = {ATTENTION: "GLM53_ATTENTION", KDA: "GLM53_KDA", HC_POST: "GLM53_HC_POST"}
+ENV = {ATTENTION: "GLM53_ATTENTION", KDA: "GLM53_KDA", HC_POST: "GLM53_HC_POST", MOE: "GLM53_MOE"}
 # former names, still accepted: `sdpa` was the dense path's fused-SDPA backend
-ALIASES = {ATTENTION: {"sdpa": "dense"}, KDA: {}, HC_POST: {}}
-DEFAULT = {ATTENTION: "auto", KDA: "auto", HC_POST: "auto"}
+ALIASES: dict[str, dict[str, str]] = {ATTENTION: {"sdpa": "dense"}, KDA: {}, HC_POST: {}, MOE: {}}
+DEFAULT = {ATTENTION: "auto", KDA: "auto", HC_POST: "auto", MOE: "auto"}
 
 
 def check(field: str, value: str, source: str | None = None) -> str:

@@ -144,11 +144,10 @@ class Glm53Model(nn.Module):
         `token_normalizers` (LM, then each MTP depth): divide each loss's token sum by these instead of this
         batch's own target counts, so that micro-batch losses add up to the global batch's token mean
         (docs/numerics.md; `count_targets` gives the counts)."""
-        mask = self._check_inputs(input_ids, attention_mask, labels)
-        docs = None if cu_seqlens is None else Documents.from_cu_seqlens(cu_seqlens, *input_ids.shape[::-1])
+        mask, all_real, docs = self._check_inputs(input_ids, attention_mask, labels, cu_seqlens)
         if next_tokens is not None and labels is not None:
             labels = torch.cat([labels, next_tokens.to(labels.dtype)], dim=1)
-        hidden = self._hidden(input_ids, mask, docs)  # [s, b, D]
+        hidden = self._hidden(input_ids, mask, all_real, docs)  # [s, b, D]
         normed_lm = self.final_norm.normalize(hidden)
         if labels is None:
             return self._logits(normed_lm)
@@ -160,7 +159,7 @@ class Glm53Model(nn.Module):
         lm_loss = self._head_loss(normed_lm, labels, 1, docs, None if norms is None else norms[0])
         loss, mtp_loss, aux_loss = lm_loss, None, None
         if self.mtp is not None:
-            normed = self._mtp_normed(hidden, input_ids, mask, docs)
+            normed = self._mtp_normed(hidden, input_ids, mask, all_real, docs)
             mtp_loss = torch.stack(
                 [
                     self._head_loss(n, labels, depth + 1, docs, None if norms is None else norms[depth])
@@ -224,17 +223,23 @@ class Glm53Model(nn.Module):
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
         return self.output_layer(normed).float().transpose(0, 1)  # [s, b, V] -> [b, s, V]
 
-    def _hidden(self, input_ids: torch.Tensor, mask: torch.Tensor, docs: Documents | None) -> torch.Tensor:
+    def _hidden(
+        self, input_ids: torch.Tensor, mask: torch.Tensor, all_real: bool, docs: Documents | None
+    ) -> torch.Tensor:
         """Embedding -> decoder (streams) -> stream mean [s, b, D] (before the final norm; MTP reads it)."""
         x = self.embedding(self._local(input_ids)).transpose(0, 1)  # [b, s, D] -> [s, b, D]
         packed_seq = None if docs is None else docs.packed_seq_params()
-        packed = self.decoder(
-            x, attention_mask=self._local(mask), packed_seq_params=packed_seq
-        )  # [s*n, b, D]
+        layer_mask = None if all_real else self._local(mask)  # None: every token is real (known on the host)
+        packed = self.decoder(x, attention_mask=layer_mask, packed_seq_params=packed_seq)  # [s*n, b, D]
         return self.final_norm.stream_mean(packed)
 
     def _mtp_normed(
-        self, hidden: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor, docs: Documents | None
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        all_real: bool,
+        docs: Documents | None,
     ) -> list[torch.Tensor]:
         """Each MTP depth's normed output [s, b, D] (depth k at position t predicts token t + k + 1)."""
         assert self.mtp is not None
@@ -246,7 +251,9 @@ class Glm53Model(nn.Module):
             if docs is not None:
                 next_mask = next_mask & docs.same_document(depth, mask.device)[None]
             emb = self.embedding(self._local(next_ids)).transpose(0, 1)
-            hidden, normed = layer.predict(hidden, emb, self._local(next_mask), packed_seq)
+            hidden, normed = layer.predict(
+                hidden, emb, self._local(next_mask), packed_seq, trailing_padding=depth if all_real else None
+            )
             out.append(normed)
         return out
 
@@ -259,14 +266,19 @@ class Glm53Model(nn.Module):
         """Logits of each MTP depth k [b, s, V] (position t predicts token t + k + 1)."""
         if self.mtp is None:
             raise ValueError("this model was built without MTP")
-        mask = self._check_inputs(input_ids, attention_mask, None)
-        docs = None if cu_seqlens is None else Documents.from_cu_seqlens(cu_seqlens, *input_ids.shape[::-1])
-        hidden = self._hidden(input_ids, mask, docs)
-        return [self._logits(n) for n in self._mtp_normed(hidden, input_ids, mask, docs)]
+        mask, all_real, docs = self._check_inputs(input_ids, attention_mask, None, cu_seqlens)
+        hidden = self._hidden(input_ids, mask, all_real, docs)
+        return [self._logits(n) for n in self._mtp_normed(hidden, input_ids, mask, all_real, docs)]
 
     def _check_inputs(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor | None
-    ) -> torch.Tensor:
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, bool, Documents | None]:
+        """(the key-padding mask [b, s] bool, whether every token is real, the packed documents) after checking the
+        inputs."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         if self.sequence is not None and input_ids.shape[1] % self.sequence.size:
@@ -274,22 +286,45 @@ class Glm53Model(nn.Module):
                 f"sequence length {input_ids.shape[1]} is not divisible by SP = {self.sequence.size} (each SP rank "
                 "holds an equal contiguous part of every row; pass the whole rows to every SP rank)"
             )
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.glm.vocab_size):
-            raise ValueError(
-                f"input_ids must lie in [0, vocab_size={self.glm.vocab_size}), got range "
-                f"[{int(input_ids.min())}, {int(input_ids.max())}]"
-            )
-        if attention_mask is None:
-            return torch.ones_like(input_ids, dtype=torch.bool)
-        if attention_mask.shape != input_ids.shape:
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
             raise ValueError(
                 f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
             )
+        # The forward's one host read (docs/numerics.md, host syncs): the token range, whether the mask has padding
+        # at all (without, the layers get no mask and skip the padding rules on the host's knowledge) and the
+        # packed documents' boundaries.
+        all_real, cuts = attention_mask is None, None
+        if input_ids.numel():
+            stats = [input_ids.min()[None], input_ids.max()[None]]
+            if attention_mask is not None:
+                stats.append(attention_mask.bool().all().to(input_ids.dtype)[None])
+            if (
+                isinstance(cu_seqlens, torch.Tensor)
+                and cu_seqlens.dim() == 1
+                and not cu_seqlens.is_floating_point()
+            ):
+                stats.append(cu_seqlens.to(device=input_ids.device, dtype=input_ids.dtype))
+            host = torch.cat(stats).tolist()
+            low, high, masked = host[0], host[1], attention_mask is not None
+            if masked:
+                all_real = bool(host[2])
+            cuts = host[2 + masked :]
+            if low < 0 or high >= self.glm.vocab_size:
+                raise ValueError(
+                    f"input_ids must lie in [0, vocab_size={self.glm.vocab_size}), got range [{low}, {high}]"
+                )
+        docs = (
+            None
+            if cu_seqlens is None
+            else Documents.from_cu_seqlens(cu_seqlens, input_ids.shape[1], input_ids.shape[0], cuts or None)
+        )
+        if attention_mask is None:
+            return torch.ones_like(input_ids, dtype=torch.bool), True, docs
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(
                 f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}"
             )
-        return attention_mask.bool()
+        return attention_mask.bool(), all_real, docs
 
 
 def freeze_padding_row(embedding_weight: nn.Parameter, cfg: Glm53Config) -> None:
@@ -298,7 +333,7 @@ def freeze_padding_row(embedding_weight: nn.Parameter, cfg: Glm53Config) -> None
     pad = cfg.pad_token_id
     if pad is None or not 0 <= pad < cfg.vocab_size or getattr(embedding_weight, "_glm53_padding_row", False):
         return
-    embedding_weight.register_hook(lambda g: g.index_fill(0, torch.tensor([pad], device=g.device), 0.0))
+    embedding_weight.register_hook(lambda g: g.index_fill(0, torch.full((1,), pad, device=g.device), 0.0))
     embedding_weight._glm53_padding_row = True  # type: ignore[attr-defined]
 
 

@@ -27,6 +27,7 @@ class Glm53TransformerConfig(TransformerConfig):
     attention_impl: str = field(default_factory=lambda: backends.default(backends.ATTENTION))
     kda_impl: str = field(default_factory=lambda: backends.default(backends.KDA))
     hc_post_impl: str = field(default_factory=lambda: backends.default(backends.HC_POST))
+    moe_impl: str = field(default_factory=lambda: backends.default(backends.MOE))
     # Selective recompute of the mHC pre/post (megatron validates recompute_modules against its own list,
     # so "mhc" is carried here; make_transformer_config accepts it inside recompute_modules).
     recompute_mhc: bool = False
@@ -45,7 +46,7 @@ class Glm53TransformerConfig(TransformerConfig):
             raise TypeError(
                 f"Glm53TransformerConfig.glm must be a Glm53Config, got {type(self.glm).__name__}"
             )
-        for name in (backends.ATTENTION, backends.KDA, backends.HC_POST):
+        for name in (backends.ATTENTION, backends.KDA, backends.HC_POST, backends.MOE):
             setattr(self, name, backends.check(name, getattr(self, name)))
         super().__post_init__()
 

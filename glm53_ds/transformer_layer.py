@@ -115,12 +115,14 @@ class Glm53TransformerLayer(TransformerLayer):
         context: torch.Tensor | None = None,
         padding_mask: torch.Tensor | None = None,
         packed_seq_params: PackedSeqParams | None = None,
+        trailing_padding: int | None = None,
         **_: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states: the embedding [s, b, D] (first layer), packed streams [s*n, b, D] (or [s, b, n, D]), or
         [s, b, D] without mHC; attention_mask / padding_mask in any convention of layers/masks.py; context: the
         previous DSA layer's selection; packed_seq_params: packed documents of the whole row (layers/documents.py),
-        which the attention modules take. Returns (packed streams or [s, b, D], selection for the next layer)."""
+        which the attention modules take; trailing_padding: a host-known mask shape for the attention (SparseMLA).
+        Returns (packed streams or [s, b, D], selection for the next layer)."""
         if not self.uses_mhc:
             streams = hidden_states
         elif self.expands_streams:
@@ -138,6 +140,8 @@ class Glm53TransformerLayer(TransformerLayer):
                     f"{type(self.self_attention).__name__} does not take packed documents (packed_seq_params)"
                 )
             attention = functools.partial(self.self_attention, documents=documents)
+        if trailing_padding is not None:
+            attention = functools.partial(attention, trailing_padding=trailing_padding)
         streams, selection = self._sublayer(
             self.attn_hc, self.input_layernorm, attention, streams, attention_mask=tokens, shared_topk=context
         )

@@ -33,9 +33,11 @@ class Documents:
         return self.bounds[-1][1]
 
     @classmethod
-    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, length: int, batch: int = 1) -> Documents:
+    def from_cu_seqlens(
+        cls, cu_seqlens: torch.Tensor, length: int, batch: int = 1, host_cuts: list[int] | None = None
+    ) -> Documents:
         """Check `cu_seqlens` against a row of `length` tokens (batch must be 1); one host read of `n_docs + 1`
-        integers."""
+        integers, or none when the caller read them already (`host_cuts`)."""
         if (
             not isinstance(cu_seqlens, torch.Tensor)
             or cu_seqlens.dim() != 1
@@ -47,7 +49,7 @@ class Documents:
             )
         if batch != 1:
             raise ValueError(f"cu_seqlens packs documents into one row: input batch must be 1, got {batch}")
-        cuts = [int(c) for c in cu_seqlens.tolist()]
+        cuts = [int(c) for c in (cu_seqlens.tolist() if host_cuts is None else host_cuts)]
         if len(cuts) < 2 or cuts[0] != 0 or cuts[-1] != length:
             raise ValueError(
                 f"cu_seqlens must start at 0 and end at the row length {length}, got {cuts[:3]}...{cuts[-2:]}"

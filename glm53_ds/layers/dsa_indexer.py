@@ -100,8 +100,12 @@ class DsaIndexer(nn.Module):
         (sequence parallelism gathers these over the SP group: 2 x index_head_dim values per token)."""
         return self.k_norm(self.wk(x)), F.linear(x, self.index_kpool_compress_gate)
 
-    def pools(self, keys: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> Pools:
-        """Step 1 for a key sequence: `keys` from `keys()` ([b, S, d] each), `mask` [b, S] its real tokens."""
+    def pools(
+        self, keys: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, real_length: int | None = None
+    ) -> Pools:
+        """Step 1 for a key sequence: `keys` from `keys()` ([b, S, d] each), `mask` [b, S] its real tokens;
+        `real_length`: the caller knows on the host that exactly the first `real_length` tokens of every row are
+        real (no padding: S), else None."""
         k, gate_scores = keys
         b, s, _ = k.shape
         device = k.device
@@ -119,8 +123,10 @@ class DsaIndexer(nn.Module):
         logits = logits.masked_fill(~real[..., None], float("-inf"))
         weights = torch.nan_to_num(logits.softmax(dim=2)).to(k.dtype)  # all-padding pools give 0, not NaN
         pool_keys = (weights * k[batch, safe]).sum(dim=2)
-        # Pools incomplete in every row are dropped (the candidate set HF scores over).
-        keep = complete.any(0)
+        # HF scores over the pools complete in some row (and top-k's order of exactly tied scores depends on how
+        # many there are). With a known real prefix those are its first real_length // kpool pools, a slice;
+        # otherwise which they are is on the device: a boolean mask, the one host sync of a padded batch's layer.
+        keep = complete.any(0) if real_length is None else slice(0, real_length // self.kpool)
         tokens = tokens[:, keep]
         return Pools(
             keys=pool_keys[:, keep], tokens=tokens, complete=complete[:, keep],

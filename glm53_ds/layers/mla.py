@@ -64,6 +64,7 @@ def masked_attention(
     scaling: float,
     dropout: float = 0.0,
     backend: str = "dense",
+    blind_possible: bool = True,
 ) -> torch.Tensor:
     """HF's eager attention, softmax(q k^T * scaling + mask) v with the mask finfo.min where not allowed.
     q, k [b, H, s, dq], v [b, H, s, dv], allowed bool [b, 1, s, s] -> [b, s, H, dv]. `backend`: dense | eager.
@@ -74,7 +75,8 @@ def masked_attention(
     everywhere in HF: the forward is a uniform average of all values, while the gradient still flows to q and k
     through the add, as the softmax Jacobian at the uniform point. The fused kernels' backward is wrong on such
     rows, so SDPA sees them unmasked and their outputs are recomputed as softmax(x - x.detach()) v, which has
-    exactly that value and gradient; the cost is proportional to the number of such rows.
+    exactly that value and gradient (`blind_rows`: closed form, no host sync). `blind_possible=False`: the caller
+    knows on the host that every row allows something, and the rule is skipped.
     """
     if backends.check(backends.ATTENTION, backend) == "eager":  # HF's expression, rounding included
         bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(
@@ -91,6 +93,8 @@ def masked_attention(
         q, k, v, attn_mask=allowed | ~sees_something, dropout_p=dropout, scale=scaling
     )
     out = out.transpose(1, 2)  # [b, s, H, dv]
+    if not blind_possible:
+        return out
     blind = ~sees_something[:, 0, :, 0]  # [b, s]
     return blind_rows(out, blind, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scaling, dropout)
 
@@ -109,6 +113,7 @@ def dense_attention(
     dropout: float = 0.0,
     backend: str = "dense",
     block_bytes: int = DENSE_BLOCK_BYTES,
+    blind_possible: bool = True,
 ) -> torch.Tensor:
     """`masked_attention` with the mask built from each query's selected tokens `topk` [b, L, W], over blocks of
     query rows: q, k [b, h, L, dq], v [b, h, L, dv] -> [b, L, h, dv]. Never holds the [L, L] mask: with gradients,
@@ -118,7 +123,16 @@ def dense_attention(
     rows = max(1, block_bytes // max(1, 4 * b * length))
 
     def block(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, tb: torch.Tensor) -> torch.Tensor:
-        return masked_attention(qb, kb, vb, topk_to_mask(tb, length), scaling, dropout, backend=backend)
+        return masked_attention(
+            qb,
+            kb,
+            vb,
+            topk_to_mask(tb, length),
+            scaling,
+            dropout,
+            backend=backend,
+            blind_possible=blind_possible,
+        )
 
     if rows >= length:
         return block(q, k, v, topk)
@@ -149,6 +163,7 @@ class SparseMLA(nn.Module):
         self.scaling = self.qk_head_dim**-0.5
         self.attention_dropout = cfg.attention_dropout
         self.attention_impl = config.attention_impl
+        self.kpool, self.selects_tail = cfg.index_kpool, cfg.index_kpool_always_select_tail
         hidden = cfg.hidden_size
 
         self.q_a_proj = ColumnLinear(config, hidden, cfg.q_lora_rank)
@@ -188,10 +203,12 @@ class SparseMLA(nn.Module):
         attention_mask: torch.Tensor | None = None,
         shared_topk: torch.Tensor | None = None,
         documents: Documents | None = None,
+        trailing_padding: int | None = None,
         **unused: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states [s, b, D], attention_mask [b, s] bool, shared_topk [b, S, W] from the previous layer,
-        documents: packed documents of a batch-1 row.
+        documents: packed documents of a batch-1 row; `trailing_padding`: the caller knows on the host that the mask
+        is exactly the last `trailing_padding` positions of every document (an MTP depth's), else None.
 
         Returns ([s, b, D], the selection [b, S, W] to hand to the next layer, or None). Selections hold
         document-local token indices (a document's first token is 0).
@@ -213,6 +230,11 @@ class SparseMLA(nn.Module):
         length = s if sp is None else s * sp.size
         key_mask = mask if sp is None else sp.gather_tokens(mask)  # [b, S]
         bounds = ((0, length),) if documents is None else documents.bounds
+        # Known on the host: without padding (no mask), a query sees nothing only when the tail is not selected
+        # (the first kpool - 1 tokens of a document precede its first complete pool).
+        all_real = attention_mask is None
+        blind_possible = not all_real or (not self.selects_tail and self.kpool > 1)
+        pad_known = 0 if all_real else trailing_padding
 
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(b, s, self.num_heads, self.qk_head_dim)  # [b, s, H, dq]
@@ -238,7 +260,8 @@ class SparseMLA(nn.Module):
                     continue
                 rows = slice(first - start, last - start)
                 with torch.set_grad_enabled(train_indexer):
-                    pools = self.indexer.pools((keys[0][:, a:e], keys[1][:, a:e]), key_mask[:, a:e])
+                    real = None if pad_known is None else max(0, e - a - pad_known)
+                    pools = self.indexer.pools((keys[0][:, a:e], keys[1][:, a:e]), key_mask[:, a:e], real)
                 selection = self.indexer.select(
                     x[:, rows], q_resid[:, rows], mask[:, rows], pools, query_offset=first - a
                 )
@@ -261,7 +284,7 @@ class SparseMLA(nn.Module):
         ).split([self.qk_head_dim, self.v_head_dim], dim=1)  # [H, dq, R], [H, dv, R]
         q_lat = None
         if impl in ("dense", "eager"):
-            out = self._dense(q, latent, topk, bounds, dropout, impl)  # [b, S, h, dv]
+            out = self._dense(q, latent, topk, bounds, dropout, impl, blind_possible)  # [b, S, h, dv]
         else:
             q_lat = absorb_query(q, w_uk)  # [b, s, H, R]
             keys_lat = latent
@@ -275,8 +298,14 @@ class SparseMLA(nn.Module):
             o_lat = torch.cat(
                 [
                     sparse_latent_attention(
-                        q_lat[:, a:e], keys_lat[:, a:e], topk[:, a:e], self.scaling, dropout, impl
-                    )
+                        q_lat[:, a:e],
+                        keys_lat[:, a:e],
+                        topk[:, a:e],
+                        self.scaling,
+                        dropout,
+                        impl,
+                        blind_possible=blind_possible,
+                    )  # fmt: skip
                     for a, e in bounds
                 ],
                 dim=1,
@@ -317,6 +346,7 @@ class SparseMLA(nn.Module):
         bounds: tuple[tuple[int, int], ...],
         dropout: float,
         impl: str,
+        blind_possible: bool = True,
     ) -> torch.Tensor:
         """Today's dense path (`attention_impl` dense / eager), kept for parity: per-head keys and values from
         kv_b, masked attention over all L keys of each document. q [b, s, H, dq], latent [b, s, R] -> [b, S, h, dv]."""
@@ -330,8 +360,15 @@ class SparseMLA(nn.Module):
         return torch.cat(
             [
                 dense_attention(
-                    q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], topk[:, a:e], self.scaling, dropout, impl
-                )
+                    q[:, :, a:e],
+                    k[:, :, a:e],
+                    v[:, :, a:e],
+                    topk[:, a:e],
+                    self.scaling,
+                    dropout,
+                    impl,
+                    blind_possible=blind_possible,
+                )  # fmt: skip
                 for a, e in bounds
             ],
             dim=1,

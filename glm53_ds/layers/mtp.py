@@ -91,11 +91,18 @@ class Glm53MtpLayer(nn.Module):
         next_embedding: torch.Tensor,
         attention_mask: torch.Tensor,
         packed_seq_params: PackedSeqParams | None = None,
+        trailing_padding: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """docs/mtp.md: hidden, next_embedding [s, b, D]; attention_mask [b, s] bool, already m_t and m_{t+k} (and,
-        for packed documents, t + k in t's document) -> (h' [s, b, D], normed h' for the head)."""
+        for packed documents, t + k in t's document) -> (h' [s, b, D], normed h' for the head). `trailing_padding`:
+        the caller knows the mask is exactly the last k positions of every document (no padding in the batch)."""
         u = self.eh_proj(torch.cat([self.enorm(next_embedding), self.hnorm(hidden)], dim=-1))
-        h, _ = self.transformer_layer(u, attention_mask=attention_mask, packed_seq_params=packed_seq_params)
+        h, _ = self.transformer_layer(
+            u,
+            attention_mask=attention_mask,
+            packed_seq_params=packed_seq_params,
+            trailing_padding=trailing_padding,
+        )
         return h, self.final_layernorm(h)
 
     def forward(

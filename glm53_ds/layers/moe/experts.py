@@ -1,20 +1,102 @@
-"""Routed experts stored as grouped tensors, computed token-group by expert (dropless).
+"""Routed experts stored as grouped tensors, computed as grouped GEMMs over tokens sorted by expert (dropless).
 
 `gate_up_proj [E_local, 2 * I_local, D]` (rows: gate, then up) and `down_proj [E_local, D, I_local]` hold this
 rank's `ExpertShard` (`parallel/expert_shard.py`): its experts and, under expert tensor parallelism, its slice of
 each expert's intermediate dimension. The parameters carry `allreduce = False` (megatron's convention for
-expert-parallel parameters): their replicas are the ranks holding the same shard, not the world. Clamped SwiGLU as HF: gate clamped above at `swiglu_limit`, up
-clamped to [-limit, limit].
+expert-parallel parameters): their replicas are the ranks holding the same shard, not the world. Clamped SwiGLU as
+HF: gate clamped above at `swiglu_limit`, up clamped to [-limit, limit].
+
+Backends (`moe_impl`, glm53_ds/backends.py):
+  - `grouped`: rows sorted by expert, `gate_up` and `down` each one `torch._grouped_mm` over all local experts with
+    device offsets (no Python loop over experts, no host sync on CUDA sm90+ in bf16), the clamped SwiGLU between
+    them fused into the same autograd node (`_GroupedSwiGLU`: it keeps only the rows and the gate/up output for
+    backward and writes out the backward by hand). An expert with no rows gets a zero gradient, so every rank's
+    expert gradients exist and ZeRO never waits on a missing one. On CUDA in fp32 / fp16, or below sm90, torch's
+    grouped GEMM falls back to a loop that copies the offsets to the host (one sync per grouped GEMM). The GEMMs
+    need 16-byte aligned rows: hidden size and I_local multiples of 16 / element size (8 in bf16).
+  - `loop`: the reference: one GEMM pair per expert over its rows (`torch.split` by host counts: one sync), the
+    weights indexed per expert. Kept for parity and for the benchmark; its backward zero-fills a full-size
+    gradient per expert (`SelectBackward`), O(E² I D) memory traffic.
+  - `auto`: grouped when the sizes are aligned for the dtype, else loop.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ... import backends
 from ...parallel.expert_shard import ExpertShard
 from ...transformer_config import Glm53TransformerConfig
+from .token_permutation import RoutedTokens
+
+
+def _clamped_swiglu(h: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """h [N, 2I] (gate, up) -> silu(gate.clamp(max=limit)) * up.clamp(-limit, limit) [N, I]."""
+    gate, up = h.chunk(2, dim=-1)
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+def _clamped_swiglu_backward(h: torch.Tensor, grad: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """d/dh of `_clamped_swiglu` for an output gradient grad [N, I] -> [N, 2I] (clamp passes the gradient where
+    the input lies inside the bounds, bounds included, as torch's clamp)."""
+    gate, up = h.float().chunk(2, dim=-1)
+    grad = grad.float()
+    gate_c, up_c = gate, up
+    if limit is not None:
+        gate_c, up_c = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    sig = torch.sigmoid(gate_c)
+    silu = gate_c * sig
+    d_gate = grad * up_c * sig * (1 + gate_c * (1 - sig))
+    d_up = grad * silu
+    if limit is not None:
+        d_gate = d_gate * (gate <= limit)
+        d_up = d_up * ((up >= -limit) & (up <= limit))
+    return torch.cat([d_gate, d_up], dim=-1).to(h.dtype)
+
+
+class _GroupedSwiGLU(torch.autograd.Function):
+    """rows [N, D] sorted by expert, offs int32 [E] (end of each expert's rows), gate_up [E, 2I, D],
+    down [E, D, I] -> down_e(swiglu(gate_up_e x)) per row [N, D]."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        rows: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        offs: torch.Tensor,
+        limit: float | None,
+    ) -> torch.Tensor:
+        h = torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=offs)  # [N, 2I]
+        act = _clamped_swiglu(h, limit)  # [N, I]
+        ctx.save_for_backward(rows, gate_up, down, offs, h)
+        ctx.limit = limit
+        return torch._grouped_mm(act.contiguous(), down.transpose(-2, -1), offs=offs)  # [N, D]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        rows, gate_up, down, offs, h = ctx.saved_tensors
+        grad = grad.contiguous()
+        act = _clamped_swiglu(h, ctx.limit).contiguous()  # recomputed: cheaper than keeping it
+        d_act = torch._grouped_mm(grad, down, offs=offs)  # [N, D] x [E, D, I] -> [N, I]
+        d_down = torch._grouped_mm(grad.t(), act, offs=offs)  # [D, N] x [N, I] per expert -> [E, D, I]
+        d_h = _clamped_swiglu_backward(h, d_act, ctx.limit).contiguous()  # [N, 2I]
+        d_rows = torch._grouped_mm(d_h, gate_up, offs=offs)  # [N, 2I] x [E, 2I, D] -> [N, D]
+        d_gate_up = torch._grouped_mm(d_h.t(), rows, offs=offs)  # [E, 2I, D]
+        return d_rows, d_gate_up, d_down, None, None
+
+
+def grouped_mm_aligned(*sizes: int, dtype: torch.dtype) -> bool:
+    """Whether rows of these sizes meet the grouped GEMM's 16-byte stride rule in `dtype`."""
+    step = 16 // torch.empty((), dtype=dtype).element_size()
+    return all(n % step == 0 for n in sizes)
 
 
 class GroupedExperts(nn.Module):
@@ -26,6 +108,7 @@ class GroupedExperts(nn.Module):
         self.first_expert = self.shard.first_expert
         self.intermediate = self.shard.local_intermediate
         self.swiglu_limit = cfg.swiglu_limit
+        self.moe_impl = config.moe_impl
         dtype = config.params_dtype
         self.gate_up_proj = nn.Parameter(
             torch.empty(self.num_local_experts, 2 * self.intermediate, cfg.hidden_size, dtype=dtype)
@@ -38,16 +121,67 @@ class GroupedExperts(nn.Module):
         self.gate_up_proj.allreduce = False  # type: ignore[attr-defined]
         self.down_proj.allreduce = False  # type: ignore[attr-defined]
 
+    def impl(self, dtype: torch.dtype) -> str:
+        """The backend `moe_impl` means for activations of `dtype`."""
+        aligned = grouped_mm_aligned(self.gate_up_proj.shape[-1], self.intermediate, dtype=dtype)
+        impl = backends.check(backends.MOE, self.moe_impl)
+        if impl == "auto":
+            return "grouped" if aligned else "loop"
+        if impl == "grouped" and not aligned:
+            step = 16 // torch.empty((), dtype=dtype).element_size()
+            raise ValueError(
+                f"moe_impl='grouped': the grouped GEMM needs hidden_size ({self.gate_up_proj.shape[-1]}) and the "
+                f"local moe_intermediate_size ({self.intermediate}) to be multiples of {step} in {dtype}; use "
+                "moe_impl='loop' or 'auto'"
+            )
+        return impl
+
+    def ffn(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows [N, D] sorted by local expert, counts [E_local] int (rows per local expert, on the device) ->
+        each row through its expert's FFN (slice) [N, D]."""
+        if self.impl(rows.dtype) == "loop":
+            return self._loop(rows, counts)
+        offs = counts.cumsum(0).to(torch.int32)
+        return _GroupedSwiGLU.apply(
+            rows.contiguous(), self.gate_up_proj, self.down_proj, offs, self.swiglu_limit
+        )
+
     def expert_ffn(self, local_expert: int, x: torch.Tensor) -> torch.Tensor:
-        """One expert's (slice of its) FFN on its tokens x [n, D] -> [n, D]."""
+        """The reference: one expert's (slice of its) FFN on its tokens x [n, D] -> [n, D]."""
         gate, up = F.linear(x, self.gate_up_proj[local_expert]).chunk(2, dim=-1)
         if self.swiglu_limit is not None:
             gate = gate.clamp(max=self.swiglu_limit)
             up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
         return F.linear(F.silu(gate) * up, self.down_proj[local_expert])
 
-    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, D], expert_ids / weights [T, k] (global expert ids) -> weighted sum of local experts [T, D]."""
+    def _loop(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        chunks = torch.split(rows, counts.tolist())
+        outputs = [self.expert_ffn(e, chunk) for e, chunk in enumerate(chunks) if chunk.shape[0] > 0]
+        return torch.cat(outputs) if outputs else rows.new_zeros(rows.shape)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        expert_ids: torch.Tensor,
+        weights: torch.Tensor,
+        routed: RoutedTokens | None = None,
+    ) -> torch.Tensor:
+        """x [T, D], expert_ids / weights [T, k] (global expert ids), `routed` the same pairs sorted by expert
+        (sorted here when not given) -> weighted sum of the experts [T, D]. Every expert is local here (EP = 1;
+        under EP the dispatcher calls `ffn`)."""
+        if self.shard.ep != 1:
+            raise ValueError(
+                f"GroupedExperts.forward computes all experts on one rank; this shard is EP rank "
+                f"{self.shard.ep_rank} of {self.shard.ep} (use ExpertParallelDispatch)"
+            )
+        if self.impl(x.dtype) == "loop":
+            return self._forward_loop(x, expert_ids, weights)
+        if routed is None:
+            routed = RoutedTokens.sort(expert_ids, self.num_local_experts)
+        return routed.combine(self.ffn(routed.gather(x), routed.counts), weights, x.dtype)
+
+    def _forward_loop(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The reference loop: a nonzero per expert, a GEMM pair per expert, an index_add."""
         out = torch.zeros_like(x)
         local_ids = expert_ids - self.first_expert
         for e in range(self.num_local_experts):

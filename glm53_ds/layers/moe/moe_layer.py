@@ -18,6 +18,7 @@ from ...parallel.sequence import SequenceParallel
 from ...transformer_config import Glm53TransformerConfig
 from .experts import GroupedExperts
 from .router import TopKRouter
+from .token_permutation import RoutedTokens
 
 
 class Glm53MoE(nn.Module):
@@ -77,14 +78,15 @@ class Glm53MoE(nn.Module):
         self.aux_loss = None
         if self.training and self.seq_aux_loss_coef > 0:
             self.aux_loss = self._sequence_aux_loss(scores, expert_ids, hidden_states.shape[:2])
+        routing = RoutedTokens.sort(expert_ids, self.router.num_experts)  # the pairs sorted by expert, once
         with torch.no_grad():
-            self.last_expert_load = torch.bincount(expert_ids.flatten(), minlength=self.router.num_experts)
+            self.last_expert_load = routing.counts
             if self.training:
-                self.expert_load += self.last_expert_load
+                self.expert_load += routing.counts
         if self.dispatch is None:
-            routed = self.experts(tokens, expert_ids, weights)
+            routed = self.experts(tokens, expert_ids, weights, routing)
         else:
-            routed = self.dispatch(self.experts.expert_ffn, tokens, expert_ids, weights)
+            routed = self.dispatch(self.experts, tokens, routing, weights)
         out = routed.view_as(hidden_states)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden_states)[0]
