@@ -23,10 +23,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,10 +31,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.measure import (  # noqa: E402
+    cpu_and_wall,
     device_description,
     peak_extra_bytes,
     print_table,
-    synchronize,
     write_results,
 )
 from tests.hf_reference import BASE_TEXT  # noqa: E402
@@ -79,20 +76,6 @@ def build_layer(impl: str, device: torch.device) -> Any:
             elif "compress_ape" in name:
                 p.normal_()
     return layer.to(device).train()
-
-
-def cpu_and_wall(fn: Callable[[], Any], device: torch.device, repeats: int) -> tuple[float, float]:
-    """Medians of process CPU time and wall time over `repeats` calls, after one warm-up."""
-    fn()
-    synchronize(device)
-    cpu, wall = [], []
-    for _ in range(repeats):
-        c0, w0 = time.process_time(), time.perf_counter()
-        fn()
-        synchronize(device)
-        cpu.append(time.process_time() - c0)
-        wall.append(time.perf_counter() - w0)
-    return statistics.median(cpu), statistics.median(wall)
 
 
 def fit_exponent(lengths: list[int], values: list[float]) -> float:

@@ -5,8 +5,9 @@
 #   2. the fused DSA sparse-attention kernel at the released width (64 heads, latent 512, W = 2063): its
 #      correctness vs the torch reference on CUDA (fp32, bf16, deterministic backward), then forward and backward
 #      TFLOP/s and peak memory at 16k and 32k tokens vs dense causal SDPA (benchmarks/dsa_kernel.py);
-#   3. benchmarks at real sizes (16k tokens, D=4096, hc_mult H=4): hc_post, the whole fwd+bwd step vs transformers
-#      on a real-width GLM-5.3 slice, the mHC overhead;
+#   3. benchmarks at real sizes (16k tokens, D=4096, hc_mult H=4): the routed experts as grouped GEMMs vs the
+#      per-expert loop at the released width (36 local experts = 288 / EP 8, I 2048, bf16: TFLOP/s), hc_post, the
+#      whole fwd+bwd step vs transformers on a real-width GLM-5.3 slice (with its host syncs), the mHC overhead;
 #   4. a training run through the DeepSpeed launcher on the GPU (NCCL, bf16, ZeRO-2): the README job, 30 steps;
 #   5. sequence parallelism: sp_memory.py on CUDA (SP sizes up to the number of visible GPUs; one GPU measures the
 #      SP = 1 baseline at 32k tokens, the ratios need more GPUs). Last, so that it is the step cut if time runs out.
@@ -53,6 +54,7 @@ step() {  # step LIMIT_SECONDS COMMAND...
     echo "dry run on CPU"
     step 300 python3 benchmarks/gpu_correctness.py --device cpu --small
     step 300 python3 benchmarks/dsa_kernel.py --device cpu --small
+    step 120 python3 benchmarks/moe_experts.py --experts 8 --repeats 1
     step 120 python3 benchmarks/hc_post.py --tokens 256 --hidden 256 --dtype bf16
     step 120 python3 benchmarks/model_step.py --size tiny --seq 128 --repeats 1
     step 120 python3 benchmarks/mhc_overhead.py --seq 128 --hidden 128 --layers 4
@@ -65,12 +67,13 @@ step() {  # step LIMIT_SECONDS COMMAND...
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
     python3 -c "from glm53_ds.backends import importable; print('fla available:', importable('fla.ops.kda'))"
     step 100 python3 benchmarks/gpu_correctness.py
-    step 150 python3 benchmarks/dsa_kernel.py --tokens 16384 32768
-    step 40 python3 benchmarks/hc_post.py --tokens 4096 16384 --hidden 4096 --hc-mult 4 --dtype bf16 fp32
-    step 80 python3 benchmarks/model_step.py --size real --seq 4096 16384 --dtype bf16
-    step 50 python3 benchmarks/mhc_overhead.py --seq 16384 --hidden 4096 --layers 4 --dtype bf16
+    step 135 python3 benchmarks/dsa_kernel.py --tokens 16384 32768
+    step 40 python3 benchmarks/moe_experts.py --size real
+    step 35 python3 benchmarks/hc_post.py --tokens 4096 16384 --hidden 4096 --hc-mult 4 --dtype bf16 fp32
+    step 75 python3 benchmarks/model_step.py --size real --seq 4096 16384 --dtype bf16
+    step 45 python3 benchmarks/mhc_overhead.py --seq 16384 --hidden 4096 --layers 4 --dtype bf16
     step 35 python3 benchmarks/head_memory.py --tokens 16384
-    step 75 python3 -m deepspeed.launcher.runner --num_gpus 1 launch/train.py --train-iters 30 \
+    step 70 python3 -m deepspeed.launcher.runner --num_gpus 1 launch/train.py --train-iters 30 \
       --deepspeed_config ds_configs/zero2_bf16.json --output-dir "$results/train"
     step 35 python3 benchmarks/sp_memory.py --device cuda --tokens 32768
   fi

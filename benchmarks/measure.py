@@ -41,6 +41,20 @@ def time_call(fn: Callable[[], Any], device: torch.device, warmup: int = 2, repe
     return statistics.median(samples)
 
 
+def cpu_and_wall(fn: Callable[[], Any], device: torch.device, repeats: int) -> tuple[float, float]:
+    """Medians of process CPU time and wall time over `repeats` calls, after one warm-up."""
+    fn()
+    synchronize(device)
+    cpu, wall = [], []
+    for _ in range(repeats):
+        c0, w0 = time.process_time(), time.perf_counter()
+        fn()
+        synchronize(device)
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    return statistics.median(cpu), statistics.median(wall)
+
+
 class _LiveTensorBytes(TorchDispatchMode):
     """Counts bytes of tensor storages allocated by ops run under it, while they are alive.
 

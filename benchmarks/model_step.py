@@ -17,6 +17,9 @@ Packed case (glm53_ds only): the same documents (seeded lengths between 1/16 and
 one packed row with `cu_seqlens` vs a right-padded batch with an attention mask; tokens/s and peak memory as
 ratios packed/padded.
 
+Host syncs and aten ops of one glm53_ds step (`HostSyncCounter`, an untimed extra step) go to each row and, per
+decoder layer / MTP depth / backward, to the JSON's summary.
+
 Last line: `model_step time_ratio_vs_hf=<ours/HF> mem_ratio_vs_hf=<ours/HF> packed_time_ratio_vs_padded=...
 packed_mem_ratio_vs_padded=...` at the longest sequence both models ran.
 JSON goes to benchmarks/results/model_step_<device>[_<size>].json.
@@ -38,6 +41,7 @@ import glm53_ds  # noqa: E402
 from benchmarks.measure import device_description, peak_extra_bytes, print_table, time_call, write_results  # noqa: E402
 from glm53_ds.config import Glm53Config  # noqa: E402
 from glm53_ds.hf_loader import load_hf_state_into  # noqa: E402
+from glm53_ds.host_syncs import HostSyncCounter  # noqa: E402
 from tests.model_fixtures import CONFIG_A, perturb_  # noqa: E402
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -139,6 +143,7 @@ def main() -> None:
     hf, ours = build_pair(text, DTYPES[dtype_name], device)
 
     rows = []
+    counts: dict[int, Any] = {}  # host syncs and aten ops per step, by scope (glm53_ds/host_syncs.py)
     for seq in seqs:
         ids = torch.randint(1, text["vocab_size"], (args.batch, seq), device=device)
         if seq == seqs[0]:  # the two models compute the same loss (else the timing compares different work)
@@ -161,15 +166,23 @@ def main() -> None:
                 row.update(step_s=seconds, tokens_per_s=args.batch * seq / seconds, peak_MiB=peak / 2**20)
             except torch.OutOfMemoryError:
                 row.update(error="out of memory")
+            if name == "glm53_ds" and "step_s" in row:  # counted in a separate, untimed step
+                with HostSyncCounter(ours) as counter:
+                    step()
+                row.update(host_syncs=counter.total_syncs, aten_ops=counter.total_ops)
+                counts[seq] = counter.summary()
             model.zero_grad(set_to_none=True)
             rows.append(row)
     packed = packed_vs_padded(ours, text["vocab_size"], max(seqs), device, args.repeats)
     print(f"packed vs padded ({packed['documents']} documents, {packed['tokens']} tokens, padded batch "
           f"{packed['padded_shape']}): time {packed['time_ratio']:.3f}, memory {packed['mem_ratio']:.3f}")  # fmt: skip
     print(f"device: {device_description(device)}")
-    print_table(rows, ["model", "seq", "batch", "dtype", "step_s", "tokens_per_s", "peak_MiB", "error"])
+    print_table(rows, ["model", "seq", "batch", "dtype", "step_s", "tokens_per_s", "peak_MiB", "host_syncs",
+                       "aten_ops", "error"])  # fmt: skip
     both = [s for s in seqs if all("step_s" in r for r in rows if r["seq"] == s)]
-    summary: dict[str, Any] = dict(size=args.size, loss_rel_diff=loss_rel_diff, packed=packed)
+    summary: dict[str, Any] = dict(
+        size=args.size, loss_rel_diff=loss_rel_diff, packed=packed, host_syncs=counts
+    )
     if both:
         by = {r["model"]: r for r in rows if r["seq"] == max(both)}
         summary.update(seq=max(both), time_ratio_vs_hf=by["glm53_ds"]["step_s"] / by["hf"]["step_s"],

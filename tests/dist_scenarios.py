@@ -644,3 +644,44 @@ def portable_checkpoint(ckpt: str, ep: int, etp: int, phase: str, save_dir: str,
             out[f"client_step_{stage}"] = client.get("step")
             save_checkpoint(engine, f"{save_dir}_stage{stage}", "b", client_state=client)
     return out
+
+
+def moe_dispatch(ckpt: str, ep: int, etp: int) -> dict[str, Any]:
+    """The grouped dispatch under EP x ETP against the single-process reference (loop experts) on the global
+    batch, with routing forced (router bias) onto experts 0 and 1 only: every other expert, and every EP rank but
+    the first, gets no tokens. Also counts the host syncs of one forward + backward (tokens all real)."""
+    from glm53_ds.host_syncs import HostSyncCounter
+    from glm53_ds.layers.moe import Glm53MoE
+
+    layout = _setup(ep, etp)
+    rank, world = layout.rank, layout.world_size
+    ref, model = _models(ckpt, layout, torch.float32)
+    for m in (ref, model):
+        for layer in m.modules():
+            if isinstance(layer, Glm53MoE):
+                layer.router.e_score_correction_bias[:2] = 10.0  # selection only: weights stay the scores
+                layer.experts.moe_impl = "loop" if m is ref else "grouped"
+    ids = _batch(ref.glm.vocab_size, world, seed=11)[0]
+    ref.train()
+    model.train()
+    # Each rank's loss is its local mean, so an expert's gradient sums all ranks' local means (world x the global
+    # mean's), times the dispatcher's 1/ETP (moe_dispatch.py: DeepSpeed's expert averaging makes it whole).
+    (ref(ids, labels=ids) * (world / etp)).backward()
+    with torch.no_grad():
+        ref_local = ref(_local(ids, rank), labels=_local(ids, rank))
+    with HostSyncCounter(model) as counter:
+        loss = model(_local(ids, rank), labels=_local(ids, rank))
+        loss.backward()
+    out: dict[str, Any] = {"loss_rel_err": rel_err(loss.detach(), ref_local)}
+    out["expert_grad_err"] = _compare_to_reference(model, ref, layout, use_grad=True)["expert"]
+    shard = layout.expert_shard(ref.glm)
+    out["starved_rank"] = shard.first_expert >= 2
+    out["expert_grads"] = {
+        n: (None if p.grad is None else float(p.grad.abs().max()))
+        for n, p in model.named_parameters()
+        if n.endswith(("gate_up_proj", "down_proj"))
+    }
+    out["moe_layers"] = sum(isinstance(m, Glm53MoE) for m in model.modules())
+    out["syncs"] = {k: v.syncs for k, v in counter.scopes.items()}
+    out["sync_sites"] = counter.summary()["sync_sites"]
+    return out

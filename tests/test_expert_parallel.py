@@ -160,3 +160,24 @@ def test_bf16_engine_keeps_hf_fp32_parameters_in_fp32(tmp_path, checkpoints):
             assert r[f"stage{stage}_moved"] and r[f"stage{stage}_replicas"] == "identical", r
             assert r[f"stage{stage}_saved_fp32_exact"] and r[f"stage{stage}_loaded_exact"], r
             assert r[f"stage{stage}_resumed_step_bitwise"], r
+
+
+@pytest.mark.slow
+def test_grouped_dispatch_with_starved_experts_and_ranks_ep2_etp2(tmp_path, checkpoints):
+    """Grouped experts behind the EP x ETP dispatcher against the single-process loop reference, with routing forced
+    onto experts 0 and 1: six experts and the whole second EP rank get no tokens. Their gradients are zeros, not
+    missing (ZeRO reduces every expert gradient; a missing one hangs it). Host syncs: the forward's input read plus
+    one copy of the split sizes per MoE layer, none in backward."""
+    full, _ = checkpoints
+    results = run_world(4, "moe_dispatch", tmp_path, ckpt=full, ep=2, etp=2)
+    for r in results:
+        assert r["loss_rel_err"] <= 1e-5, r
+        assert r["expert_grad_err"] <= 1e-5, r
+        assert all(v is not None for v in r["expert_grads"].values()), r
+        if r["starved_rank"]:
+            assert max(r["expert_grads"].values()) == 0.0, r
+        layer_syncs = {k: v for k, v in r["syncs"].items() if k.startswith("layer")}
+        assert sum(layer_syncs.values()) == r["moe_layers"], r["sync_sites"]
+        assert r["syncs"].get("backward", 0) == 0, r["sync_sites"]
+        assert r["syncs"].get("outside", 0) == 1, r["sync_sites"]
+    assert any(r["starved_rank"] for r in results)

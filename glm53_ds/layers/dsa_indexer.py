@@ -125,8 +125,8 @@ class DsaIndexer(nn.Module):
         pool_keys = (weights * k[batch, safe]).sum(dim=2)
         # HF scores over the pools complete in some row (and top-k's order of exactly tied scores depends on how
         # many there are). With a known real prefix those are its first real_length // kpool pools, a slice;
-        # otherwise which they are is on the device: a boolean mask, the one host sync of a padded batch's layer.
-        keep = complete.any(0) if real_length is None else slice(0, real_length // self.kpool)
+        # otherwise which they are is on the device: their indices (`nonzero`), the one host sync of a padded batch's layer.
+        keep = complete.any(0).nonzero()[:, 0] if real_length is None else slice(0, real_length // self.kpool)
         tokens = tokens[:, keep]
         return Pools(
             keys=pool_keys[:, keep], tokens=tokens, complete=complete[:, keep],

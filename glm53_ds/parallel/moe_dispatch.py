@@ -32,8 +32,9 @@ import torch.distributed as dist
 
 from .comm import all_to_all, gather_rows, reduce_rows
 from .expert_shard import ExpertShard
+from .row_permutation import inverse_permutation, permute_rows
 
-if TYPE_CHECKING:  # the layers import this module
+if TYPE_CHECKING:  # the MoE layer imports this module
     from ..layers.moe.experts import GroupedExperts
     from ..layers.moe.token_permutation import RoutedTokens
 
@@ -100,8 +101,9 @@ class ExpertParallelDispatch:
         all_rows = gather_rows(rows, peer_rows, self.etp_group, grad_scale=float(self.etp_size))
         # 3. local experts, rows in expert order
         perm = expert_major_order(matrix, sum(peer_rows))
-        grouped = experts.ffn(all_rows.index_select(0, perm), matrix.sum(0))
-        partial = torch.empty_like(grouped).index_copy(0, perm, grouped)  # back to the source order
+        inverse = inverse_permutation(perm)
+        grouped = experts.ffn(permute_rows(all_rows, perm, inverse), matrix.sum(0))
+        partial = permute_rows(grouped, inverse, perm)  # back to the source order
         # 4. sum the FFN slices, keep this rank's rows
         summed = reduce_rows(partial, peer_rows, self.etp_group, grad_scale=1.0 / self.etp_size)
         # 5. back to the source ranks, weighted, summed per token

@@ -46,19 +46,18 @@ def _clamped_swiglu(h: torch.Tensor, limit: float | None) -> torch.Tensor:
 def _clamped_swiglu_backward(h: torch.Tensor, grad: torch.Tensor, limit: float | None) -> torch.Tensor:
     """d/dh of `_clamped_swiglu` for an output gradient grad [N, I] -> [N, 2I] (clamp passes the gradient where
     the input lies inside the bounds, bounds included, as torch's clamp)."""
-    gate, up = h.float().chunk(2, dim=-1)
-    grad = grad.float()
+    gate, up = h.chunk(2, dim=-1)
     gate_c, up_c = gate, up
     if limit is not None:
         gate_c, up_c = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    sig = torch.sigmoid(gate_c)
-    silu = gate_c * sig
-    d_gate = grad * up_c * sig * (1 + gate_c * (1 - sig))
-    d_up = grad * silu
+    d_h = torch.empty_like(h)
+    d_gate, d_up = d_h.chunk(2, dim=-1)
+    torch.ops.aten.silu_backward(grad * up_c, gate_c, grad_input=d_gate)  # grad·up·silu'(gate), one pass
+    torch.mul(grad, F.silu(gate_c), out=d_up)
     if limit is not None:
-        d_gate = d_gate * (gate <= limit)
-        d_up = d_up * ((up >= -limit) & (up <= limit))
-    return torch.cat([d_gate, d_up], dim=-1).to(h.dtype)
+        d_gate.masked_fill_(gate > limit, 0.0)
+        d_up.masked_fill_((up < -limit) | (up > limit), 0.0)
+    return d_h
 
 
 class _GroupedSwiGLU(torch.autograd.Function):

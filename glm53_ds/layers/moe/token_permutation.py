@@ -6,7 +6,7 @@ that reads the maximum on the host). Pair p = t·k + j is token t's j-th choice.
 
 `gather` takes the rows of the sorted pairs from x [T, D]; its backward sums each token's k row gradients in
 one reduction (not an `index_add_` with repeated indices, whose CUDA atomics add in a run-dependent order).
-`combine` puts expert outputs back in pair order (a permutation: unique indices) and takes the router-weighted sum
+`combine` puts expert outputs back in pair order (a permutation: its backward is the inverse gather) and takes the router-weighted sum
 over each token's k outputs as one batched matmul [T, 1, k] @ [T, k, D].
 """
 
@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ...parallel.row_permutation import inverse_permutation, permute_rows
 
 
 @dataclass(frozen=True)
@@ -30,9 +32,7 @@ class RoutedTokens:
     def sort(cls, expert_ids: torch.Tensor, n_experts: int) -> RoutedTokens:
         """expert_ids [T, k] (global ids) -> the pairs sorted by expert."""
         experts, order = torch.sort(expert_ids.reshape(-1), stable=True)
-        inverse = torch.empty_like(order).index_copy_(
-            0, order, torch.arange(order.numel(), device=order.device)
-        )
+        inverse = inverse_permutation(order)
         bounds = torch.searchsorted(experts, torch.arange(n_experts + 1, device=experts.device))
         return cls(order, inverse, experts, bounds.diff(), expert_ids.shape[1])
 
@@ -46,7 +46,7 @@ class RoutedTokens:
 
     def combine(self, sorted_out: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """sorted_out [T·k, D] (row i: the output for pair `order[i]`), weights [T, k] -> sum_j w_j y_j [T, D]."""
-        pairs = sorted_out.index_select(0, self.inverse).view(self.n_tokens, self.top_k, -1)  # [T, k, D]
+        pairs = permute_rows(sorted_out, self.inverse, self.order).view(self.n_tokens, self.top_k, -1)
         return _WeightedSum.apply(pairs, weights).to(dtype)
 
 
@@ -64,27 +64,29 @@ class _GatherPairs(torch.autograd.Function):
 
 
 class _WeightedSum(torch.autograd.Function):
-    """pairs [T, k, D], weights [T, k] (fp32) -> sum_j w_j y_j [T, D] accumulated in fp32, one slot at a time: the
+    """pairs [T, k, D], weights [T, k] (fp32) -> sum_j w_j y_j [T, D] accumulated in fp32 (or wider), one slot at a time: the
     [T, k, D] fp32 products are never held (only the inputs are kept for backward), and nothing rounds the router
     weights to the activation dtype."""
 
     @staticmethod
     def forward(ctx: Any, pairs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(pairs, weights)
-        out = torch.zeros(pairs.shape[0], pairs.shape[2], dtype=torch.float32, device=pairs.device)
+        acc = torch.promote_types(pairs.dtype, torch.float32)
+        out = torch.zeros(pairs.shape[0], pairs.shape[2], dtype=acc, device=pairs.device)
         for j in range(pairs.shape[1]):  # k slots (top-k, a constant)
-            out.addcmul_(pairs[:, j], weights[:, j, None].float())
+            out.addcmul_(pairs[:, j], weights[:, j, None].to(acc))
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         pairs, weights = ctx.saved_tensors
-        grad = grad.float()
+        acc = grad.dtype
+        w = weights.to(acc)
         d_pairs = d_weights = None
         if ctx.needs_input_grad[0]:
             d_pairs = torch.empty_like(pairs)
             for j in range(pairs.shape[1]):
-                d_pairs[:, j] = grad * weights[:, j, None].float()
+                d_pairs[:, j] = grad * w[:, j, None]
         if ctx.needs_input_grad[1]:
             d_weights = torch.stack([(grad * pairs[:, j]).sum(-1) for j in range(pairs.shape[1])], dim=1)
             d_weights = d_weights.to(weights.dtype)
