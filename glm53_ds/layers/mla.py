@@ -305,7 +305,7 @@ class SparseMLA(nn.Module):
                         dropout,
                         impl,
                         blind_possible=blind_possible,
-                    )  # fmt: skip
+                    )
                     for a, e in bounds
                 ],
                 dim=1,
@@ -368,7 +368,7 @@ class SparseMLA(nn.Module):
                     dropout,
                     impl,
                     blind_possible=blind_possible,
-                )  # fmt: skip
+                )
                 for a, e in bounds
             ],
             dim=1,
