@@ -7,7 +7,8 @@ The loop's cost grows with E twice over: a host sync and a GEMM pair per expert,
 gradient per expert in backward (`SelectBackward` of `w[e]`): O(E² I D) memory traffic.
 
 `--size real` (a GPU): the released width, D 4096, I 2048, 36 local experts (288 / EP 8), 16k tokens, top-8, bf16;
-TFLOP/s of each (6 T k D I flops forward, twice that backward) and the ratio.
+TFLOP/s of each (6 T k D I flops forward, twice that backward) and the ratio. Both paths' outputs and gradients are
+compared (`max_rel_err`, relative to each tensor's largest entry).
 
 Host syncs per MoE layer: one `Glm53MoE` layer (router, sort, grouped experts, shared expert) fwd + bwd at EP = 1
 under `HostSyncCounter`, and its aten-op count beside the loop's.
@@ -61,15 +62,27 @@ def measure(size: dict[str, Any], experts: int, device: torch.device, repeats: i
         weights = torch.rand(tokens, k, generator=g)
         grad = torch.randn(tokens, hidden, dtype=dtype, generator=g)
     row: dict[str, Any] = {"experts": experts}
+    results = {}
     for impl in ("loop", "grouped"):
         module.moe_impl = impl
 
-        def step() -> None:
+        def step() -> torch.Tensor:
             module.zero_grad(set_to_none=True)
             x.grad = None
-            module(x, ids, weights).backward(grad)
+            out = module(x, ids, weights)
+            out.backward(grad)
+            return out
 
         row[f"{impl}_cpu_s"], row[f"{impl}_wall_s"] = cpu_and_wall(step, device, repeats)
+        out = step()  # the last step's output and gradients, for the comparison below
+        results[impl] = [
+            t.detach().float() for t in (out, x.grad, module.gate_up_proj.grad, module.down_proj.grad)
+        ]
+    # the same work: grouped vs loop, output and gradients, relative to each tensor's largest entry
+    row["max_rel_err"] = max(
+        ((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).item()
+        for a, b in zip(results["loop"], results["grouped"], strict=True)
+    )
     key = "wall_s" if device.type == "cuda" else "cpu_s"
     row["speedup"] = row[f"loop_{key}"] / row[f"grouped_{key}"]
     flops = 3 * 6 * tokens * k * hidden * inner  # forward 6 T k D I, backward twice that
