@@ -134,7 +134,7 @@ def _engine(model, layout, stage: int, dtype: torch.dtype, optimizer: str, lr: f
                 stack.enter_context(mock.patch.object(DeepSpeedMpu, name, fn))
         engine = glm53_ds.build_engine(model, config, optimizer=make_optimizer, layout=layout)
         if not sp_reduction:
-            side = getattr(engine, "glm53_fp32_params", None)
+            side = engine.fp32_params
             if side is not None:  # the fp32-kept parameters averaged over SP too
                 side.sequence_parallel = 1
         return engine
@@ -372,7 +372,7 @@ def bf16_keeps_fp32(ckpt: str, ep: int, etp: int, save_dir: str) -> dict[str, An
             return ref, engine, kept
 
         def kept_state(engine):  # type: ignore[no-untyped-def]
-            return {n: t.detach().clone() for n, t in engine.glm53_fp32_params.named}
+            return {n: t.detach().clone() for n, t in engine.fp32_params.named}
 
         def step(engine):  # type: ignore[no-untyped-def]
             engine.backward(engine(x, labels=x))

@@ -11,7 +11,7 @@ import torch
 
 import glm53_ds
 from glm53_ds.config import Glm53Config
-from glm53_ds.engine import deepspeed_internals
+from glm53_ds.engine import Glm53Engine, deepspeed_internals
 from tests.model_fixtures import CONFIG_A
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,7 +79,11 @@ def test_build_engine_on_a_world_of_one():
         "steps_per_print": 10**9,
     }
     engine = glm53_ds.build_engine(model, ds_config)
-    assert engine.glm53_layout.world_size == 1 and engine.glm53_grad_sync == "not needed"
+    # a typed handle; DeepSpeed's object carries nothing of glm53_ds's (before issue 28 it held glm53_layout,
+    # glm53_fp32_params and glm53_grad_sync, read back with getattr)
+    assert isinstance(engine, Glm53Engine) and engine.module is model and engine.fp32_params is None
+    assert engine.layout.world_size == 1 and engine.gradient_sync is False
+    assert not [k for k in vars(engine.ds) if k.startswith("glm53")]
     assert isinstance(engine.optimizer, torch.optim.AdamW)
     groups = engine.optimizer.param_groups
     assert {g["lr"] for g in groups} == {1e-3} and len(groups) == 3  # decay, no decay, one expert group

@@ -77,7 +77,7 @@ def test_fp32_params_take_an_fp32_adamw_step_of_the_clipped_gradient(hf_dir, sta
         model, _ds_config(stage, clip=0.05),
         optimizer=lambda groups: torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
     )  # fmt: skip
-    side = engine.glm53_fp32_params
+    side = engine.fp32_params
     reference = [t.detach().clone().requires_grad_(True) for t in side.tensors]
     named = list(zip([n for n, _ in side.named], reference, strict=True))
     ref_opt = torch.optim.AdamW(

@@ -1,5 +1,7 @@
 """The DeepSpeed engine of glm53_ds: the only package that imports DeepSpeed.
 
+- `handle.py`: `Glm53Engine`, what `build_engine` returns: the DeepSpeed engine (`.ds`), the layout, the fp32-kept
+  parameters and the gradient-sync state, typed, with the methods the trainer and the checkpoints use;
 - `build.py`: `build_engine(model, ds_config, optimizer=None, layout=None)` (also `glm53_ds.build_engine`),
   `init_distributed` / `close_distributed`, `prepare_model`, `optimizer_param_groups`;
 - `deepspeed_internals.py`: every private DeepSpeed symbol glm53_ds touches (`PATCHED_SYMBOLS`), the version check,
@@ -9,18 +11,42 @@
 - `checkpoint.py`: training checkpoints (`save_checkpoint` / `load_checkpoint`) and `export_engine_to_hf`.
 """
 
-from .build import build_engine, close_distributed, init_distributed, optimizer_param_groups, prepare_model
-from .checkpoint import export_engine_to_hf, load_checkpoint, save_checkpoint
+from .build import (
+    build_engine,
+    close_distributed,
+    describe_param_groups,
+    init_distributed,
+    optimizer_param_groups,
+    prepare_model,
+)
+from .checkpoint import (
+    CheckpointError,
+    check_checkpoint_fits,
+    export_engine_to_hf,
+    layout_record,
+    load_checkpoint,
+    read_client_state,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from .deepspeed_internals import NonFiniteGradientError
+from .handle import Glm53Engine
 
 __all__ = [
     "build_engine",
+    "check_checkpoint_fits",
+    "CheckpointError",
     "close_distributed",
+    "describe_param_groups",
     "export_engine_to_hf",
+    "Glm53Engine",
     "init_distributed",
-    "NonFiniteGradientError",
+    "layout_record",
     "load_checkpoint",
+    "NonFiniteGradientError",
     "optimizer_param_groups",
     "prepare_model",
+    "read_client_state",
     "save_checkpoint",
+    "verify_checkpoint",
 ]

@@ -12,14 +12,14 @@ The sequence (every step needed for correctness; docs/parallelism.md explains ea
     bf16: install_fp32_params(engine, ...)     their world-mean reduction, global norm, clipping and fp32 optimizer
     install_step_guard(engine)                 a step whose global gradient norm is inf / NaN changes nothing and
                                                raises NonFiniteGradientError
-The engine carries its layout as `engine.glm53_layout` (checkpoints read it).
+Returns a `Glm53Engine` (handle.py): the DeepSpeed engine, the layout, the fp32-kept parameters, typed.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import deepspeed
@@ -42,6 +42,7 @@ from .deepspeed_internals import (
     register_expert_groups,
 )
 from .fp32_params import Fp32Params
+from .handle import Glm53Engine
 from .mpu import DeepSpeedMpu
 
 OptimizerArg = torch.optim.Optimizer | Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None
@@ -131,17 +132,18 @@ def optimizer_param_groups(model: nn.Module, no_decay_pattern: str | None = None
     return [g for g in split if g["params"]]
 
 
-def describe_param_groups(engine: Any, weight_decay: float, no_decay_pattern: str | None = None) -> str:
+def describe_param_groups(
+    engine: Glm53Engine, weight_decay: float, no_decay_pattern: str | None = None
+) -> str:
     """One line for the start-up log: trained tensors (the fp32-kept ones of a bf16 engine included) with and
     without weight decay, and what is frozen, counted from the model (ZeRO flattens the optimizer's groups)."""
     model = engine.module
-    side = getattr(engine, "glm53_fp32_params", None)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad] + (side.named if side else [])
+    named = engine.trained_parameters()
     decayed = [p for n, p in named if decays(n, p, no_decay_pattern)]
     spared = [p for n, p in named if not decays(n, p, no_decay_pattern)]
     frozen = [p for p in model.parameters() if not p.requires_grad]
 
-    def count(ps: list[torch.Tensor]) -> str:
+    def count(ps: Sequence[torch.Tensor]) -> str:
         return f"{len(ps)} tensors ({sum(p.numel() for p in ps):,} parameters)"
 
     return (
@@ -181,28 +183,19 @@ def _check_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
-def set_learning_rate(engine: Any, lr: float) -> None:
-    """The learning rate of every parameter group, the fp32-kept parameters' optimizer included."""
-    for group in engine.optimizer.param_groups:
-        group["lr"] = lr
-    side = getattr(engine, "glm53_fp32_params", None)
-    if side is not None:
-        side.set_lr(lr)
-
-
 def build_engine(
     model: nn.Module,
     ds_config: dict[str, Any],
     optimizer: OptimizerArg = None,
     layout: ParallelLayout | None = None,
     no_decay_pattern: str | None = None,
-) -> Any:
+) -> Glm53Engine:
     """Wrap `model` (built under `layout`) in a DeepSpeed engine with every glm53_ds fix installed.
 
     `optimizer`: None for AdamW over DeepSpeed's MoE groups (hyperparameters from the config's `optimizer`
     section when it has one), an optimizer whose groups already separate experts, or a factory that receives
     the groups (`optimizer_param_groups`: decay / no-decay by `decays`, plus `no_decay_pattern`, MoE-split). `layout`: the one the model was built under; None for a single process (world 1 is set up
-    when no process group exists). Returns the engine; `engine.glm53_layout` is the layout."""
+    when no process group exists). Returns the `Glm53Engine` handle."""
     check_version()
     if layout is None:
         init_distributed()
@@ -229,11 +222,10 @@ def build_engine(
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=opt, config=config, mpu=DeepSpeedMpu(layout)
     )
-    install_gradient_sync(engine, layout)
-    if side is not None and len(side):
-        side.finish(factory, lambda named: decay_groups(named, no_decay_pattern))
-        install_fp32_params(engine, side, layout)
-        engine.glm53_fp32_params = side
+    synced = install_gradient_sync(engine, layout)
+    kept = side if side is not None and len(side) else None
+    if kept is not None:
+        kept.finish(factory, lambda named: decay_groups(named, no_decay_pattern))
+        install_fp32_params(engine, kept, layout)
     install_step_guard(engine)
-    engine.glm53_layout = layout
-    return engine
+    return Glm53Engine(engine, layout, fp32_params=kept, gradient_sync=synced)

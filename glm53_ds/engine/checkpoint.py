@@ -38,7 +38,6 @@ import os
 import shutil
 import uuid
 from collections.abc import Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -75,6 +74,7 @@ from .deepspeed_internals import (
     moe_checkpoint_files_off,
     weights_only_loads,
 )
+from .handle import Glm53Engine
 
 FP32_PARAMS_OPTIMIZER = "fp32_params_optimizer.pt"  # bf16 runs: the fp32-kept parameters' optimizer state
 CLIENT_STATE = "client_state.pt"  # the trainer's step, data position and RNG, layout-free
@@ -115,8 +115,8 @@ def layout_record(world_size: int, ep: int, etp: int, sp: int, zero_stage: int, 
                 dtype="bf16" if bf16 else "fp32")  # fmt: skip
 
 
-def engine_layout_record(engine: Any) -> dict[str, Any]:
-    layout: ParallelLayout = engine.glm53_layout
+def engine_layout_record(engine: Glm53Engine) -> dict[str, Any]:
+    layout = engine.layout
     return layout_record(layout.world_size, layout.ep, layout.etp, layout.sp, engine.zero_optimization_stage(),
                          engine.bfloat16_enabled())  # fmt: skip
 
@@ -147,14 +147,16 @@ def _write_experts(
     writer.close()
 
 
-def _trained(engine: Any) -> list[tuple[str, torch.Tensor, ParamOptimizerState]]:
+def _trained(engine: Glm53Engine) -> list[tuple[str, torch.Tensor, ParamOptimizerState]]:
     """Every trained tensor with what holds its optimizer state, in the same order on every rank: the model's
     trainable parameters, then (bf16) HF's fp32-kept parameters, which have their own fp32 optimizer."""
-    access = ParamOptimizerState(engine)
-    out = [(n, p, access) for n, p in engine.module.named_parameters() if p.requires_grad]
-    side = getattr(engine, "glm53_fp32_params", None)
+    access = ParamOptimizerState(engine.optimizer)
+    out: list[tuple[str, torch.Tensor, ParamOptimizerState]] = [
+        (n, p, access) for n, p in engine.module.named_parameters() if p.requires_grad
+    ]
+    side = engine.fp32_params
     if side is not None:
-        side_access = ParamOptimizerState(SimpleNamespace(optimizer=side.optimizer))
+        side_access = ParamOptimizerState(side.optimizer)
         out += [(n, t, side_access) for n, t in side.named]
     return out
 
@@ -174,7 +176,7 @@ def spread(sizes: Sequence[int], writers: int) -> list[int]:
     return owner
 
 
-def _write_portable_optimizer(engine: Any, layout: ParallelLayout, root: str) -> int:
+def _write_portable_optimizer(engine: Glm53Engine, layout: ParallelLayout, root: str) -> int:
     """The layout-free optimizer state: per trained tensor, keyed by its native name, `<name>:exp_avg`,
     `<name>:exp_avg_sq` and, where the model holds it in another dtype, `<name>:master` (fp32), in the model's
     sets: `optimizer_replicated`, and `optimizer_experts_ep<E>_etp<T>` holding the shard's local experts as the
@@ -230,11 +232,11 @@ def _first_non_finite(model: Any) -> str | None:
     return next((b for b in _gather(bad) if b is not None), None)
 
 
-def save_checkpoint(engine: Any, save_dir: str, tag: str, client_state: dict | None = None) -> str:
+def save_checkpoint(engine: Glm53Engine, save_dir: str, tag: str, client_state: dict | None = None) -> str:
     """Save as `<save_dir>/<tag>` (whole or not at all) and point `latest` at it; returns the tag directory.
     A model holding inf / NaN anywhere is refused before anything is written (`CheckpointError`; `latest` stays on
     the previous tag). Collective."""
-    layout: ParallelLayout = engine.glm53_layout
+    layout = engine.layout
     if not tag or tag.startswith(".") or os.sep in tag:
         raise ValueError(f"checkpoint tag {tag!r}: expected a plain name such as step300")
     bad = _first_non_finite(engine.module)
@@ -243,7 +245,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str, client_state: dict | N
                               "(nothing was written; 'latest' is unchanged)")  # fmt: skip
     staging = f".{tag}.tmp-{_from_rank0(uuid.uuid4().hex[:8])}"
     staged, final = os.path.join(save_dir, staging), os.path.join(save_dir, tag)
-    engine.save_checkpoint(save_dir, tag=staging, client_state=client_state or {}, save_latest=False)
+    engine.ds.save_checkpoint(save_dir, tag=staging, client_state=client_state or {}, save_latest=False)
     root = os.path.join(staged, "glm53")
     os.makedirs(root, exist_ok=True)
     model = engine.module
@@ -257,7 +259,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str, client_state: dict | N
         _atomic_save(client_state or {}, os.path.join(root, CLIENT_STATE))
     if engine.zero_optimization_stage() == 0:
         _atomic_save(engine.optimizer.state_dict(), os.path.join(root, f"optimizer_rank{layout.rank:05d}.pt"))
-    side = getattr(engine, "glm53_fp32_params", None)
+    side = engine.fp32_params
     if side is not None and layout.rank == 0:  # replicated and identical on every rank
         _atomic_save(side.state_dict(), os.path.join(root, FP32_PARAMS_OPTIMIZER))
     dist.barrier()
@@ -421,7 +423,7 @@ class _StoredSets:
 
 
 def load_checkpoint(
-    engine: Any, load_dir: str, tag: str | None = None, verify: bool = True, model_only: bool = False
+    engine: Glm53Engine, load_dir: str, tag: str | None = None, verify: bool = True, model_only: bool = False
 ) -> dict:
     """Restore the model and, unless model-only, the optimizer and client state; returns the client state.
 
@@ -431,7 +433,7 @@ def load_checkpoint(
     and Adam moments, and the step; the client state comes from glm53's own file. `model_only=True` loads the
     weights only (fresh optimizer state, step 0). `verify=False` only when `verify_checkpoint` already checked
     this tag."""
-    layout: ParallelLayout = engine.glm53_layout
+    layout = engine.layout
     tag = verify_checkpoint(load_dir, tag) if verify else (tag or latest_tag(load_dir))
     root = os.path.join(load_dir, tag, "glm53")
     model = engine.module
@@ -448,10 +450,10 @@ def load_checkpoint(
     client_state: dict = {}
     if not model_only and same_layout:
         with (
-            moe_checkpoint_files_off(engine),
+            moe_checkpoint_files_off(engine.ds),
             weights_only_loads(),
         ):  # the model comes from glm53's files below
-            _, client_state = engine.load_checkpoint(
+            _, client_state = engine.ds.load_checkpoint(
                 load_dir,
                 tag=tag,
                 load_module_strict=False,
@@ -478,7 +480,7 @@ def load_checkpoint(
             target.copy_(tensor)
             saved_dtypes[name] = tensor.dtype
 
-    side = getattr(engine, "glm53_fp32_params", None)
+    side = engine.fp32_params
     if portable:
         _load_portable_optimizer(engine, sets, int(meta["optimizer_state"]["step"]), saved_dtypes)
         client_state = read_client_state(load_dir, tag)
@@ -499,7 +501,7 @@ def load_checkpoint(
 
 
 def _load_portable_optimizer(
-    engine: Any, sets: _StoredSets, step: int, saved_dtypes: dict[str, torch.dtype]
+    engine: Glm53Engine, sets: _StoredSets, step: int, saved_dtypes: dict[str, torch.dtype]
 ) -> None:
     """Every trained tensor's fp32 master (stored, or else the stored model value) and Adam moments, this rank's
     part, into whatever optimizer holds it now; the Adam step of every state set to `step`. The model's tensors
@@ -532,7 +534,7 @@ def _load_portable_optimizer(
 
 
 def export_engine_to_hf(
-    engine: Any, cfg: Glm53Config, out_dir: str, template: str | None = None, force: bool = False,
+    engine: Glm53Engine, cfg: Glm53Config, out_dir: str, template: str | None = None, force: bool = False,
     tokenizer: str | None = None,
 ) -> None:  # fmt: skip
     """From a running job: save a checkpoint into a fresh temporary directory beside `out_dir`, then rank 0

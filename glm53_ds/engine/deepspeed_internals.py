@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -232,6 +233,10 @@ def _install_norm_fixes(engine: Any, layout: ParallelLayout) -> None:
         optimizer.get_grads_for_norm = get_grads_for_norm
 
 
+# DeepSpeed engines the patch is on (held weakly: no attribute of ours on DeepSpeed's object)
+_SYNCED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
 def install_gradient_sync(engine: Any, layout: ParallelLayout) -> bool:
     """The gradient-sync patch on a built engine; returns True when the ETP pre-averaging was needed.
 
@@ -242,11 +247,11 @@ def install_gradient_sync(engine: Any, layout: ParallelLayout) -> bool:
     Both are linear and idempotent on ETP-equal values, so it is correct at every call site and with gradient
     accumulation. Expert and tensor-parallel-sharded parameters are never touched. The clipping-norm fixes are
     installed in every layout."""
-    if getattr(engine, "glm53_grad_sync", None) is not None:
+    if engine in _SYNCED:
         raise RuntimeError("the gradient-sync patch is already installed on this engine")
+    _SYNCED.add(engine)
     _install_norm_fixes(engine, layout)
     if layout.etp == 1:
-        engine.glm53_grad_sync = "not needed"
         return False
     group, size = layout.etp_group, layout.etp
     optimizer = engine.optimizer
@@ -267,7 +272,6 @@ def install_gradient_sync(engine: Any, layout: ParallelLayout) -> bool:
             return original_reduce(grads, elements_per_buffer)
 
         engine._reduce_non_expert_gradients = reduce_non_expert
-    engine.glm53_grad_sync = "installed"
     return True
 
 
@@ -407,8 +411,8 @@ class ParamOptimizerState:
     `get` is collective under ZeRO (it all-reduces the parameter's fragments over the parameter's data-parallel
     group): every rank calls it for the same parameters in the same order. `set` is local."""
 
-    def __init__(self, engine: Any) -> None:
-        self.optimizer = engine.optimizer
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
         opt = self.optimizer
         if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
             self.kind = "partitioned"  # ZeRO-1/2, BF16_Optimizer

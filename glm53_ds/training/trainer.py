@@ -25,20 +25,19 @@ from tqdm import tqdm
 from ..config import Glm53Config
 from ..convert.native_format import ShardReader
 from ..engine import (
+    CheckpointError,
+    Glm53Engine,
     NonFiniteGradientError,
     build_engine,
+    check_checkpoint_fits,
     close_distributed,
+    describe_param_groups,
     export_engine_to_hf,
     init_distributed,
-    load_checkpoint,
-    save_checkpoint,
-)
-from ..engine.build import describe_param_groups, set_learning_rate
-from ..engine.checkpoint import (
-    CheckpointError,
-    check_checkpoint_fits,
     layout_record,
+    load_checkpoint,
     read_client_state,
+    save_checkpoint,
     verify_checkpoint,
 )
 from ..hf_loader import SafetensorsCheckpoint, checkpoint_has_mtp, load_hf_state_into
@@ -179,7 +178,7 @@ class Trainer:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
         self.cfg: Glm53Config = model_config(config)
-        self.engine: Any = None
+        self._engine: Glm53Engine | None = None
         self.layout: ParallelLayout | None = None
         self.data_world, self.data_rank, self.sp_rank = 1, 0, 0  # set in setup()
         self.stream: SampleStream | PackedRowStream | None = None
@@ -201,6 +200,13 @@ class Trainer:
             self.save_lock.release()
 
     # ------------------------------------------------------------------ set-up
+    @property
+    def engine(self) -> Glm53Engine:
+        """The engine `setup()` built."""
+        if self._engine is None:
+            raise RuntimeError("Trainer.setup() has not built the engine yet")
+        return self._engine
+
     def setup(self) -> None:
         c, cfg = self.config, self.cfg
         tokenizer = _or_setup_error(lambda: load_tokenizer(c.tokenizer))
@@ -264,7 +270,7 @@ class Trainer:
             self.layout.data_rank,
             self.layout.sp_rank,
         )
-        self.engine = build_engine(self._build_model(), self.ds_config, optimizer=self._adamw, layout=self.layout,
+        self._engine = build_engine(self._build_model(), self.ds_config, optimizer=self._adamw, layout=self.layout,
                                    no_decay_pattern=c.no_decay_pattern)  # fmt: skip
         if self.rank == 0:
             print(
@@ -369,7 +375,7 @@ class Trainer:
         assert self.stream is not None
         started = time.perf_counter()
         lr = c.lr_at(step)
-        set_learning_rate(engine, lr)
+        engine.set_learning_rate(lr)
         parts: list[LossParts] = []
         batches = [
             self.stream.micro_batch(
