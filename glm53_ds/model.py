@@ -36,16 +36,15 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from torch import nn
 
 from .config import Glm53Config
-from .layers.chunked_ce import linear_cross_entropy
+from .layers.chunked_ce import IGNORE_INDEX, linear_cross_entropy
 from .layers.documents import Documents
+from .layers.forward_record import ForwardRecord, recording
 from .layers.linear import ColumnLinear
 from .layers.mtp import Glm53MtpLayer, shift_left
 from .parallel import ensure_model_parallel
 from .parallel.sequence import SequenceParallel
 from .specs import get_glm53_block_spec, get_glm53_mtp_block_spec
 from .transformer_config import Glm53TransformerConfig, make_transformer_config
-
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -58,6 +57,9 @@ class LossParts:
     aux: torch.Tensor | None = None
     indexer: torch.Tensor | None = (
         None  # the DSA indexers' KL loss (summed over full-indexer layers), unweighted
+    )
+    record: ForwardRecord | None = (
+        None  # everything the layers handed out (per-layer losses, tokens per expert)
     )
 
     def detached(self) -> dict[str, torch.Tensor]:
@@ -143,7 +145,26 @@ class Glm53Model(nn.Module):
         were alone (layers/documents.py); no target and no MTP input crosses a boundary.
         `token_normalizers` (LM, then each MTP depth): divide each loss's token sum by these instead of this
         batch's own target counts, so that micro-batch losses add up to the global batch's token mean
-        (docs/numerics.md; `count_targets` gives the counts)."""
+        (docs/numerics.md; `count_targets` gives the counts).
+
+        Host syncs: one, the input check's read (`_check_inputs`: the token range, whether the mask has padding, the
+        packed boundaries); a padded batch adds one per full DSA layer (tests/test_host_syncs.py). The auxiliary
+        losses come back as values (`layers/forward_record.py`), nothing is left on the modules."""
+        with recording() as record:
+            return self._forward(record, input_ids, attention_mask, labels, next_tokens, return_parts, cu_seqlens,
+                                 token_normalizers)  # fmt: skip
+
+    def _forward(
+        self,
+        record: ForwardRecord,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        next_tokens: torch.Tensor | None,
+        return_parts: bool,
+        cu_seqlens: torch.Tensor | None,
+        token_normalizers: Sequence[float] | torch.Tensor | None,
+    ) -> torch.Tensor | LossParts:
         mask, all_real, docs = self._check_inputs(input_ids, attention_mask, labels, cu_seqlens)
         if next_tokens is not None and labels is not None:
             labels = torch.cat([labels, next_tokens.to(labels.dtype)], dim=1)
@@ -167,15 +188,12 @@ class Glm53Model(nn.Module):
                 ]
             ).mean()
             loss = loss + self.glm.mtp_loss_weight * mtp_loss
-        aux = [a for m in self.modules() if isinstance(a := getattr(m, "aux_loss", None), torch.Tensor)]
-        if aux:
-            aux_loss = torch.stack(aux).sum()
+        aux_loss, indexer_loss = record.aux_loss(), record.indexer_loss()
+        if aux_loss is not None:
             loss = loss + aux_loss
-        kl = [t for m in self.modules() if isinstance(t := getattr(m, "indexer_loss", None), torch.Tensor)]
-        indexer_loss = torch.stack(kl).sum() if kl else None
         if indexer_loss is not None:
             loss = loss + self.config.indexer_loss_coef * indexer_loss
-        return LossParts(loss, lm_loss, mtp_loss, aux_loss, indexer_loss) if return_parts else loss
+        return LossParts(loss, lm_loss, mtp_loss, aux_loss, indexer_loss, record) if return_parts else loss
 
     def count_targets(
         self,

@@ -254,6 +254,6 @@ def kl_from_scores(
     return (terms.sum(-1) * ok).sum(), ok.sum().to(torch.float32)
 
 
-def kl_loss(terms: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
-    """The indexer loss from its (sum, queries) terms."""
-    return None if terms is None else terms[0] / terms[1].clamp_min(1)
+def kl_loss(total: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """A layer's indexer loss from its terms: the KL sum over its queries, divided by their number."""
+    return total / queries.clamp_min(1)

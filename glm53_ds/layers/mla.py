@@ -35,6 +35,7 @@ from ..parallel.sequence import SequenceParallel
 from ..transformer_config import Glm53TransformerConfig
 from .documents import Documents
 from .dsa_indexer import DsaIndexer, Pools, Selection, kl_loss
+from .forward_record import current_record
 from .linear import ColumnLinear, RowLinear
 from .norm import RMSNorm
 from .sparse_attention import (
@@ -182,8 +183,6 @@ class SparseMLA(nn.Module):
         self.reuses_selection = i < len(types) and types[i] == "shared"
         self.indexer = None if self.reuses_selection else DsaIndexer(config)
         self.indexer_loss_coef = config.indexer_loss_coef
-        self.indexer_loss: torch.Tensor | None = None  # this forward's KL(attention || indexer), when trained
-        self.indexer_loss_terms: tuple[torch.Tensor, torch.Tensor] | None = None  # (sum, queries) behind it
         # HF hands a full layer's selection only to the very next layer, when that one is "shared".
         self.passes_selection = not self.reuses_selection and i + 1 < len(types) and types[i + 1] == "shared"
         self.sequence = SequenceParallel.of(pg_collection)  # None without sequence parallelism
@@ -327,12 +326,12 @@ class SparseMLA(nn.Module):
                         x[:, rows].detach(), q_resid[:, rows].detach(), pools, selection, target
                     )
                 )
-        self.indexer_loss_terms = (
-            (torch.stack([t[0] for t in terms]).sum(), torch.stack([t[1] for t in terms]).sum())
-            if terms
-            else None
-        )
-        self.indexer_loss = kl_loss(self.indexer_loss_terms)
+        if terms and (record := current_record()) is not None:  # the indexer loss leaves as a value
+            total, queries = (
+                torch.stack([t[0] for t in terms]).sum(),
+                torch.stack([t[1] for t in terms]).sum(),
+            )
+            record.indexer_losses.append(kl_loss(total, queries))
         if sp is not None:
             out = sp.heads_to_seq(out)  # [b, s, H, dv]
         out = self.o_proj(out.reshape(b, s, self.num_heads * self.v_head_dim))

@@ -36,9 +36,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..layers.chunked_ce import IGNORE_INDEX
 from ..safe_io import staged_dir
 
-IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT's speakers as roles
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",

@@ -16,6 +16,7 @@ from ...parallel.expert_shard import ExpertShard
 from ...parallel.moe_dispatch import ExpertParallelDispatch
 from ...parallel.sequence import SequenceParallel
 from ...transformer_config import Glm53TransformerConfig
+from ..forward_record import current_record
 from .experts import GroupedExperts
 from .router import TopKRouter
 from .token_permutation import RoutedTokens
@@ -61,10 +62,9 @@ class Glm53MoE(nn.Module):
                 ffn_hidden_size=shared_config.ffn_hidden_size,
             )
         # Per-expert token counts of this rank's tokens, accumulated over training forwards until the load
-        # balancer consumes them (parallel/router_balance.py); `last_expert_load` is the latest forward's.
-        self.last_expert_load: torch.Tensor | None = None
+        # balancer consumes them (parallel/router_balance.py): training state, not a forward output (a forward's
+        # own counts and balance loss go to the open ForwardRecord).
         self.seq_aux_loss_coef = float(getattr(config, "moe_seq_aux_loss_coef", 0.0))
-        self.aux_loss: torch.Tensor | None = None
         # under SP the balance loss's routing counts span the whole sequence (summed over the SP group)
         self.sequence = SequenceParallel.of(pg_collection)
         self.register_buffer(
@@ -75,13 +75,13 @@ class Glm53MoE(nn.Module):
         """hidden_states [s, b, D] -> ([s, b, D], None)."""
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, D]
         scores, weights, expert_ids = self.router(tokens)
-        self.aux_loss = None
-        if self.training and self.seq_aux_loss_coef > 0:
-            self.aux_loss = self._sequence_aux_loss(scores, expert_ids, hidden_states.shape[:2])
         routing = RoutedTokens.sort(expert_ids, self.router.num_experts)  # the pairs sorted by expert, once
-        with torch.no_grad():
-            self.last_expert_load = routing.counts
-            if self.training:
+        if (record := current_record()) is not None:
+            record.expert_loads.append(routing.counts)
+            if self.training and self.seq_aux_loss_coef > 0:
+                record.aux_losses.append(self._sequence_aux_loss(scores, expert_ids, hidden_states.shape[:2]))
+        if self.training:
+            with torch.no_grad():
                 self.expert_load += routing.counts
         if self.dispatch is None:
             routed = self.experts(tokens, expert_ids, weights, routing)

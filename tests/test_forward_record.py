@@ -1,0 +1,49 @@
+"""Losses and expert loads leave the forward as values (glm53_ds/layers/forward_record.py), not module attributes.
+
+Before issue 28 the MoE layers and DSA layers kept `aux_loss`, `last_expert_load`, `indexer_loss` on themselves and
+`Glm53Model.forward` found them by scanning `self.modules()`: a value from an earlier forward could be picked up,
+and a layer run alone left state behind. Now the model opens a record per forward and hands it out in LossParts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import glm53_ds
+from glm53_ds.config import Glm53Config
+from glm53_ds.layers.forward_record import current_record, recording
+from glm53_ds.layers.moe import Glm53MoE
+from tests.model_fixtures import CONFIG_A
+
+STALE = ("aux_loss", "last_expert_load", "indexer_loss", "indexer_loss_terms")
+
+
+def test_the_record_holds_each_forwards_values_and_the_modules_nothing():
+    cfg = Glm53Config.from_text_dict(CONFIG_A)
+    model = glm53_ds.build_model(cfg, mtp=False, moe_seq_aux_loss_coef=0.1, indexer_loss_coef=0.5).train()
+    ids = torch.randint(1, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    parts = model(ids, labels=ids, return_parts=True)
+    record = parts.record
+    moe = [m for m in model.modules() if isinstance(m, Glm53MoE)]
+    assert len(record.aux_losses) == len(record.expert_loads) == len(moe)
+    assert all(int(load.sum()) == ids.numel() * cfg.num_experts_per_tok for load in record.expert_loads)
+    assert torch.allclose(parts.aux, torch.stack(record.aux_losses).sum())
+    assert torch.allclose(parts.total, parts.lm + parts.aux + 0.5 * parts.indexer)
+    assert not [(n, a) for n, m in model.named_modules() for a in STALE if hasattr(m, a)]
+    # a second forward starts a fresh record; none stays open after it
+    again = model(ids[:1], labels=ids[:1], return_parts=True).record
+    assert again is not record and all(int(x.sum()) == ids[:1].numel() * 2 for x in again.expert_loads)
+    assert current_record() is None
+
+
+def test_a_layer_outside_a_record_keeps_nothing():
+    """A module called on its own (or by a stock GPTModel) records nothing and leaves nothing behind."""
+    cfg = Glm53Config.from_text_dict(CONFIG_A)
+    model = glm53_ds.build_model(cfg, mtp=False, moe_seq_aux_loss_coef=0.1).train()
+    moe = next(m for m in model.modules() if isinstance(m, Glm53MoE))
+    x = torch.randn(6, 2, cfg.hidden_size)
+    moe(x)
+    assert current_record() is None and not [a for a in STALE if hasattr(moe, a)]
+    with recording() as record:
+        moe(x)
+    assert len(record.aux_losses) == 1 and int(record.expert_loads[0].sum()) == 12 * cfg.num_experts_per_tok
