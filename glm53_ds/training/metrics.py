@@ -5,9 +5,36 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from ..safe_io import atomic_write_text
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One optimizer step's metrics, from the step's one reduction (`Trainer.train_step`). Optional values are None
+    when the run has no such part (no MTP, no indexer loss, unpacked data, no MoE)."""
+
+    step: int  # 1-based
+    consumed_samples: int
+    loss: float  # the total the optimizer saw (global token mean of each part, weighted)
+    lm_loss: float
+    lr: float
+    grad_norm: float | None
+    tokens_per_s: float
+    step_time: float
+    moe_imbalance: float | None
+    target_tokens: int
+    packing_efficiency: float | None = None  # real tokens / row tokens (packed rows)
+    mtp_loss: float | None = None
+    indexer_loss: float | None = None
+
+    OPTIONAL = ("packing_efficiency", "mtp_loss", "indexer_loss")  # left out of the record when None
+
+    def as_record(self) -> dict[str, Any]:
+        """The metrics.jsonl record: every field, the optional ones only when the run has them."""
+        return {k: v for k, v in vars(self).items() if v is not None or k not in self.OPTIONAL}
 
 
 class MetricsWriter:

@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,7 +51,7 @@ from ..transformer_config import make_transformer_config
 from .args import build_parser
 from .config import SetupError, TrainConfig, resolve_model
 from .data import SampleStream, load_tokenizer, open_stream
-from .metrics import MetricsWriter, plot_loss
+from .metrics import MetricsWriter, StepMetrics, plot_loss
 from .packing import Batch, PackedRowStream
 
 __all__ = ["SetupError", "Trainer", "TrainingStopped", "main"]
@@ -174,19 +175,59 @@ def _recompute(mode: str) -> dict[str, Any]:
     return {}
 
 
+@dataclass(frozen=True)
+class RunPlan:
+    """The run-level values, resolved once from the TrainConfig and the world size (before any model is built)."""
+
+    world: int
+    global_batch: int  # sequences per optimizer step
+    gas: int  # micro-batches per step on each rank
+    data_world: int  # sample readers: world / SP (an SP group reads one set of rows)
+    ds_config: dict[str, Any]
+
+    @classmethod
+    def resolve(cls, config: TrainConfig, world: int, saved_batch: int | None) -> RunPlan:
+        """The global batch (given, the --load checkpoint's, or micro x readers), GAS and DeepSpeed's config;
+        SetupError naming the option when they do not fit."""
+        data_world = world // config.sp
+        global_batch = config.global_batch_size or saved_batch or config.micro_batch_size * data_world
+        gas = gradient_accumulation(config, world, global_batch)
+        return cls(world, global_batch, gas, data_world, deepspeed_config(config, world, gas))
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
+
+    @property
+    def bf16(self) -> bool:
+        return bool(self.ds_config.get("bf16", {}).get("enabled"))
+
+    def samples_per_step(self, micro_batch_size: int) -> int:
+        return micro_batch_size * self.gas * self.data_world
+
+
+@dataclass(frozen=True)
+class _StepReduction:
+    """The step's one all-reduce and host read: losses to log (global token means), targets and real tokens."""
+
+    loss: float
+    lm_loss: float
+    mtp_loss: float
+    indexer_loss: float
+    target_tokens: int
+    real_tokens: int
+
+
 class Trainer:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
         self.cfg: Glm53Config = model_config(config)
         self._engine: Glm53Engine | None = None
         self.layout: ParallelLayout | None = None
-        self.data_world, self.data_rank, self.sp_rank = 1, 0, 0  # set in setup()
         self.stream: SampleStream | PackedRowStream | None = None
         self.start_step = 0
         self.load_tag: str | None = None  # --load's tag, verified in setup()
-        self.global_batch = (
-            0  # sequences per step (set in setup(): given, the checkpoint's, or micro x readers)
-        )
+        self._plan: RunPlan | None = None  # set in setup()
         self.consumed = 0  # samples of the run read so far (the data position checkpoints store)
         self.last_saved: str | None = None
         self.last: dict[str, Any] = {}
@@ -206,6 +247,13 @@ class Trainer:
         if self._engine is None:
             raise RuntimeError("Trainer.setup() has not built the engine yet")
         return self._engine
+
+    @property
+    def plan(self) -> RunPlan:
+        """The run-level values `setup()` resolved."""
+        if self._plan is None:
+            raise RuntimeError("Trainer.setup() has not resolved the run yet")
+        return self._plan
 
     def setup(self) -> None:
         c, cfg = self.config, self.cfg
@@ -231,11 +279,7 @@ class Trainer:
                     )
             except ValueError as e:
                 raise SetupError(f"--ep {c.ep} --etp {c.etp} --sp {c.sp}: {e}") from e
-            self.global_batch = (
-                c.global_batch_size or saved_batch or c.micro_batch_size * (self.world // c.sp)
-            )
-            self.gas = gradient_accumulation(c, self.world, self.global_batch)
-            self.ds_config = deepspeed_config(c, self.world, self.gas)
+            self._plan = RunPlan.resolve(c, self.world, saved_batch)
 
         _or_setup_error(check_layout, alike=True)
         # Rank 0 tokenizes (and packs) once; the others wait, then every rank reads the same cache.
@@ -259,18 +303,11 @@ class Trainer:
         if (
             c.load
         ):  # another model config, or another layout without layout-free state: refused before any work
-            here = layout_record(self.world, c.ep, c.etp, c.sp, self.ds_config.get("zero_optimization", {}).get("stage", 0),
-                                 bool(self.ds_config.get("bf16", {}).get("enabled")))  # fmt: skip
+            here = layout_record(self.world, c.ep, c.etp, c.sp, self.plan.zero_stage, self.plan.bf16)
             agreed(lambda: check_checkpoint_fits(c.load, str(self.load_tag), cfg, here, c.load_model_only))
 
         self.layout = init_layout(c.ep, c.etp, cfg, sp=c.sp)
-        # the sample stream this rank reads: every rank of an SP group reads the same rows
-        self.data_world, self.data_rank, self.sp_rank = (
-            self.layout.data_world,
-            self.layout.data_rank,
-            self.layout.sp_rank,
-        )
-        self._engine = build_engine(self._build_model(), self.ds_config, optimizer=self._adamw, layout=self.layout,
+        self._engine = build_engine(self._build_model(), self.plan.ds_config, optimizer=self._adamw, layout=self.layout,
                                    no_decay_pattern=c.no_decay_pattern)  # fmt: skip
         if self.rank == 0:
             print(
@@ -339,12 +376,12 @@ class Trainer:
         if "rng" in client:
             torch.set_rng_state(client["rng"])
         self._say(f"resumed from {where}: step {self.start_step}, {self.consumed} consumed samples, global batch "
-                  f"{self.global_batch}")  # fmt: skip
+                  f"{self.plan.global_batch}")  # fmt: skip
 
     def _build_model(self) -> Glm53Model:
         c, cfg = self.config, self.cfg
         assert self.layout is not None
-        dtype = torch.bfloat16 if self.ds_config.get("bf16", {}).get("enabled") else torch.float32
+        dtype = torch.bfloat16 if self.plan.bf16 else torch.float32
         tconfig = make_transformer_config(
             cfg, dtype=dtype, expert_model_parallel_size=c.ep, expert_tensor_parallel_size=c.etp,
             moe_seq_aux_loss_coef=c.aux_loss_coef, indexer_loss_coef=c.indexer_loss_coef,
@@ -369,21 +406,23 @@ class Trainer:
         return torch.optim.AdamW(groups, lr=c.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=c.weight_decay)
 
     # ------------------------------------------------------------------ one step
-    def train_step(self, step: int) -> dict[str, Any]:
-        """Step `step` (0-based) over the global batch; returns its metrics record."""
-        c, engine = self.config, self.engine
-        assert self.stream is not None
+    def train_step(self, step: int) -> StepMetrics:
+        """Step `step` (0-based) over the global batch; returns its metrics."""
+        c, engine, plan, layout = self.config, self.engine, self.plan, self.layout
+        assert self.stream is not None and layout is not None
         started = time.perf_counter()
         lr = c.lr_at(step)
         engine.set_learning_rate(lr)
         parts: list[LossParts] = []
+        # the sample stream this rank reads: every rank of an SP group reads the same rows
         batches = [
             self.stream.micro_batch(
-                self.consumed, micro, self.data_rank, self.data_world, c.micro_batch_size
+                self.consumed, micro, layout.data_rank, layout.data_world, c.micro_batch_size
             ).to(engine.device)
-            for micro in range(self.gas)
+            for micro in range(plan.gas)
         ]
-        normalizers = self._token_normalizers(batches)
+        normalizers, counts = self._token_normalizers(batches)
+        reduced: _StepReduction | None = None
         for micro, batch in enumerate(batches):
             # HF-style labels aligned with the input (the model shifts them); windows carry the token after the
             # window as next_tokens, packed rows their document boundaries
@@ -392,48 +431,46 @@ class Trainer:
             )
             engine.backward(loss.total)
             parts.append(loss)
-            if micro == self.gas - 1:
-                self._stop_if_not_finite(step, parts)  # before the one update of the step
+            if micro == plan.gas - 1:
+                reduced = self._reduce_and_check(step, parts, counts)  # before the one update of the step
             try:
                 engine.step()
             except NonFiniteGradientError as e:  # raised on every rank alike, before any parameter changed
                 raise TrainingStopped(f"gradient norm is {e.norm} at step {step + 1}; training stopped before "
                                       f"updating the weights. {self._last_good()}") from e  # fmt: skip
-        self.consumed += c.micro_batch_size * self.gas * self.data_world
+        assert reduced is not None
+        self.consumed += plan.samples_per_step(c.micro_batch_size)
         balance = update_router_bias(engine.module, rate=c.router_bias_update_rate)
-        total, lm, mtp, indexer = self._logged
-        targets, real = self._counted
         step_time = time.perf_counter() - started
         norm = engine.get_global_grad_norm()
-        tokens = c.micro_batch_size * self.gas * self.data_world * c.seq_length
-        record = dict(step=step + 1, consumed_samples=self.consumed, loss=total, lm_loss=lm, lr=lr, grad_norm=None if norm is None else float(norm),
-                      tokens_per_s=tokens / step_time, step_time=step_time,
-                      moe_imbalance=max(balance.values()) if balance else None, target_tokens=int(targets))  # fmt: skip
-        if isinstance(self.stream, PackedRowStream):
-            record["packing_efficiency"] = real / tokens  # real tokens / row tokens
-        if engine.module.mtp is not None:
-            record["mtp_loss"] = mtp
-        if c.indexer_loss_coef > 0:
-            record["indexer_loss"] = indexer
-        return record
+        tokens = plan.samples_per_step(c.micro_batch_size) * c.seq_length
+        return StepMetrics(
+            step=step + 1, consumed_samples=self.consumed, loss=reduced.loss, lm_loss=reduced.lm_loss, lr=lr,
+            grad_norm=None if norm is None else float(norm), tokens_per_s=tokens / step_time, step_time=step_time,
+            moe_imbalance=max(balance.values()) if balance else None, target_tokens=reduced.target_tokens,
+            packing_efficiency=reduced.real_tokens / tokens if isinstance(self.stream, PackedRowStream) else None,
+            mtp_loss=reduced.mtp_loss if engine.module.mtp is not None else None,
+            indexer_loss=reduced.indexer_loss if c.indexer_loss_coef > 0 else None,
+        )  # fmt: skip
 
-    def _token_normalizers(self, batches: list[Batch]) -> torch.Tensor:
+    def _token_normalizers(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per loss (LM, each MTP depth): the global batch's target count / (micro-batches x data ranks). Each
         micro-batch's loss is its token sum divided by it, so the micro-batch losses, averaged by DeepSpeed over
         accumulation steps and data ranks (summed over SP ranks), are the token mean over the whole global batch
-        (docs/numerics.md). Under SP each rank counts its own shard's targets. One all-reduce, no host sync (the
-        counts are logged at the step's one sync)."""
+        (docs/numerics.md). Under SP each rank counts its own shard's targets. One all-reduce, no host sync.
+        Returns (the normalizers, the global batch's LM targets and real tokens, read at the step's one sync)."""
         model = self.engine.module
+        layout = self.layout
+        assert layout is not None
         counts = torch.stack([model.count_targets(**b.model_kwargs()) for b in batches]).sum(0)
-        real_here = sum(b.real_tokens for b in batches) if self.sp_rank == 0 else 0  # once per SP group
+        real_here = sum(b.real_tokens for b in batches) if layout.sp_rank == 0 else 0  # once per SP group
         real = torch.tensor([real_here], device=counts.device, dtype=counts.dtype)
         totals = torch.cat([counts, real])
         if self.world > 1:
             dist.all_reduce(totals)
-        self._counts = totals[[0, -1]]  # LM targets and real tokens of the global batch, read when logging
-        return totals[:-1].double() / (self.gas * self.data_world)
+        return totals[:-1].double() / (self.plan.gas * self.plan.data_world), totals[[0, -1]]
 
-    def _stop_if_not_finite(self, step: int, parts: list[LossParts]) -> None:
+    def _reduce_and_check(self, step: int, parts: list[LossParts], counts: torch.Tensor) -> _StepReduction:
         """One all-reduce and one host sync per step: which micro-batches were not finite anywhere, and the
         losses to log (means over micro-batches and data ranks, sums over SP ranks: the global token mean)."""
         flags = torch.stack([(~torch.isfinite(p.total.detach())).float() for p in parts])
@@ -444,19 +481,21 @@ class Trainer:
             return torch.stack([p.total.detach(), p.lm.detach(), *optional])
 
         per_micro = torch.stack([row(p) for p in parts]).float()  # [micro, 4]
-        sums = per_micro.sum(0) / (self.gas * self.data_world)
+        sums = per_micro.sum(0) / (self.plan.gas * self.plan.data_world)
         packed = torch.cat([flags, sums]).double()
         if self.world > 1:
             dist.all_reduce(packed)
-        values = torch.cat([packed, self._counts.double()]).tolist()  # the one host sync
-        flags_out, self._logged = values[: len(parts)], values[len(parts) : -2]
-        self._counted = values[-2:]
+        values = torch.cat([packed, counts.double()]).tolist()  # the one host sync
+        flags_out, (total, lm, mtp, indexer), (targets, real) = (
+            values[: len(parts)], values[len(parts) : -2], values[-2:]
+        )  # fmt: skip
         bad = [i for i, f in enumerate(flags_out) if f > 0]
         if bad:
             raise TrainingStopped(
-                f"loss is {self._logged[0]} at step {step + 1} (micro-batch {bad[0]}); training stopped before "
+                f"loss is {total} at step {step + 1} (micro-batch {bad[0]}); training stopped before "
                 f"updating the weights. {self._last_good()}"
             )
+        return _StepReduction(total, lm, mtp, indexer, int(targets), int(real))
 
     def _last_good(self) -> str:
         """Where a stopped run can be resumed from: the last checkpoint it saved, or what it started from."""
@@ -470,7 +509,7 @@ class Trainer:
     def save(self, step: int) -> None:
         assert self.layout is not None and self.stream is not None and self.config.save
         check_replicas(self.engine.module, self.layout)
-        client = {"step": step, "consumed_samples": self.consumed, "global_batch_size": self.global_batch,
+        client = {"step": step, "consumed_samples": self.consumed, "global_batch_size": self.plan.global_batch,
                   "data": self.stream.identity, "rng": torch.get_rng_state()}  # fmt: skip
         try:
             self.last_saved = save_checkpoint(
@@ -519,7 +558,7 @@ class Trainer:
         c = self.config
         assert self.layout is not None
         for step in range(self.start_step, c.train_iters):
-            self._log(self.train_step(step))
+            self._log(self.train_step(step).as_record())
             if c.check_replicas_interval and (step + 1) % c.check_replicas_interval == 0:
                 check_replicas(self.engine.module, self.layout)
             if c.save and c.save_interval and (step + 1) % c.save_interval == 0:
