@@ -19,6 +19,13 @@ from .config import Glm53Config
 from .layers.chunked_ce import DEFAULT_CHUNK_BYTES
 from .parallel.state import ensure_model_parallel
 
+# Full recompute is refused with the layer losses (tests/test_forward_record.py measures the loss of gradient);
+# selective recompute (torch's non-reentrant checkpoint) keeps their graph.
+FULL_RECOMPUTE_LOSSES = (
+    "megatron's full recompute runs each layer's forward without autograd, so the gradients of the MoE balance "
+    "loss and the DSA indexer loss would be lost"
+)
+
 
 @dataclass
 class Glm53TransformerConfig(TransformerConfig):
@@ -48,6 +55,14 @@ class Glm53TransformerConfig(TransformerConfig):
             )
         for name in (backends.ATTENTION, backends.KDA, backends.HC_POST, backends.MOE):
             setattr(self, name, backends.check(name, getattr(self, name)))
+        if self.recompute_granularity == "full" and (
+            self.moe_seq_aux_loss_coef > 0 or self.indexer_loss_coef > 0
+        ):
+            raise ValueError(
+                f"recompute_granularity='full' with moe_seq_aux_loss_coef={self.moe_seq_aux_loss_coef} / "
+                f"indexer_loss_coef={self.indexer_loss_coef}: {FULL_RECOMPUTE_LOSSES}; use "
+                "recompute_granularity='selective' (recompute_modules mhc, mlp, moe)"
+            )
         super().__post_init__()
 
 

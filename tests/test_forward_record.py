@@ -7,12 +7,15 @@ and a layer run alone left state behind. Now the model opens a record per forwar
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import glm53_ds
 from glm53_ds.config import Glm53Config
 from glm53_ds.layers.forward_record import current_record, recording
 from glm53_ds.layers.moe import Glm53MoE
+from glm53_ds.training.args import build_parser
+from glm53_ds.training.config import SetupError, TrainConfig
 from tests.model_fixtures import CONFIG_A
 
 STALE = ("aux_loss", "last_expert_load", "indexer_loss", "indexer_loss_terms")
@@ -47,3 +50,53 @@ def test_a_layer_outside_a_record_keeps_nothing():
     with recording() as record:
         moe(x)
     assert len(record.aux_losses) == 1 and int(record.expert_loads[0].sum()) == 12 * cfg.num_experts_per_tok
+
+
+FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+SELECTIVE = dict(recompute_granularity="selective", recompute_modules=["mhc", "mlp", "moe"])
+
+
+def _grads(model, ids):  # type: ignore[no-untyped-def]
+    model(ids, labels=ids).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_selective_recompute_keeps_the_layer_losses_bitwise():
+    """The balance and indexer losses under selective recompute: gradients bitwise those without. A control for
+    the record: a layer that computed its loss only while a record is open replays other ops in backward
+    (torch's checkpoint refuses: "a different number of tensors was saved")."""
+    cfg = Glm53Config.from_text_dict(CONFIG_A)
+    ids = torch.randint(1, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    losses = dict(moe_seq_aux_loss_coef=0.1, indexer_loss_coef=0.5)
+    torch.manual_seed(0)
+    plain = glm53_ds.build_model(cfg, mtp=False, **losses).train()
+    recomputed = glm53_ds.build_model(cfg, mtp=False, **losses, **SELECTIVE).train()
+    recomputed.load_state_dict(plain.state_dict())
+    expected, got = _grads(plain, ids), _grads(recomputed, ids)
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[n], got[n]) for n in expected)
+
+
+def test_full_recompute_with_layer_losses_is_refused_because_their_gradient_is_lost():
+    cfg = Glm53Config.from_text_dict(CONFIG_A)
+    with pytest.raises(ValueError, match="recompute_granularity='full' with moe_seq_aux_loss_coef=0.1"):
+        glm53_ds.build_model(cfg, mtp=False, moe_seq_aux_loss_coef=0.1, **FULL)
+    with pytest.raises(
+        SetupError, match="--recompute full with --aux-loss-coef 0.0 / --indexer-loss-coef 0.5"
+    ):
+        TrainConfig.from_args(
+            build_parser().parse_args(["--recompute", "full", "--indexer-loss-coef", "0.5"])
+        )
+    # the reason, measured: the balance loss switched on behind the refusal loses its gradient under full recompute
+    ids = torch.randint(1, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    plain = glm53_ds.build_model(cfg, mtp=False, moe_seq_aux_loss_coef=1.0).train()
+    full = glm53_ds.build_model(cfg, mtp=False, **FULL).train()
+    full.load_state_dict(plain.state_dict())
+    for m in full.modules():
+        if isinstance(m, Glm53MoE):
+            m.seq_aux_loss_coef = 1.0
+    expected, got = _grads(plain, ids), _grads(full, ids)
+    name = "decoder.layers.2.mlp.router.weight"
+    lost = (expected[name] - got[name]).abs().max() / expected[name].abs().max()
+    assert lost > 0.5, lost

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ..config import Glm53Config
 from ..convert.native_format import latest_tag, read_layout
 from ..safe_io import OutputPathError, check_output_dir, published_tags
+from ..transformer_config import FULL_RECOMPUTE_LOSSES
 from .packing import LONG_DOCUMENTS
 from .presets import DEFAULT_ROUTER_BIAS_UPDATE_RATE, PRESET_ROUTER_BIAS_UPDATE_RATE, PRESETS, preset
 
@@ -159,6 +160,11 @@ class TrainConfig:
             raise SetupError(f"--long-documents must be one of {LONG_DOCUMENTS}, got {self.long_documents!r}")
         if self.recompute not in RECOMPUTE:
             raise SetupError(f"--recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.recompute == "full" and (self.aux_loss_coef > 0 or self.indexer_loss_coef > 0):
+            raise SetupError(
+                f"--recompute full with --aux-loss-coef {self.aux_loss_coef} / --indexer-loss-coef "
+                f"{self.indexer_loss_coef}: {FULL_RECOMPUTE_LOSSES}; use --recompute selective"
+            )
         if self.hf_dir and not os.path.isfile(os.path.join(self.hf_dir, "config.json")):
             raise SetupError(f"--hf-dir {self.hf_dir!r}: no config.json there")
         if self.model_config and self.model_config not in PRESETS and not os.path.isfile(self.model_config):

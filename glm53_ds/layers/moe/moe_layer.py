@@ -76,10 +76,15 @@ class Glm53MoE(nn.Module):
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, D]
         scores, weights, expert_ids = self.router(tokens)
         routing = RoutedTokens.sort(expert_ids, self.router.num_experts)  # the pairs sorted by expert, once
+        # computed whether or not a record is open: a recompute in backward (after the record closed) must run
+        # the same ops as the forward it replays
+        aux = None
+        if self.training and self.seq_aux_loss_coef > 0:
+            aux = self._sequence_aux_loss(scores, expert_ids, hidden_states.shape[:2])
         if (record := current_record()) is not None:
             record.expert_loads.append(routing.counts)
-            if self.training and self.seq_aux_loss_coef > 0:
-                record.aux_losses.append(self._sequence_aux_loss(scores, expert_ids, hidden_states.shape[:2]))
+            if aux is not None:
+                record.aux_losses.append(aux)
         if self.training:
             with torch.no_grad():
                 self.expert_load += routing.counts
