@@ -68,6 +68,7 @@ def test_transformers_loads_the_export_and_native_loads_in_glm53(hf_with_mtp, tm
     assert rel_err(from_native, original) <= 1e-5
 
 
+@pytest.mark.slow
 def test_cli_and_existing_output(hf_with_mtp, tmp_path):
     run = [sys.executable, "-m", "glm53_ds.convert"]
     native, hf2 = str(tmp_path / "native"), str(tmp_path / "hf2")

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "glm53_ds"
 
@@ -192,6 +194,7 @@ def test_no_path_from_the_model_half_to_deepspeed():
             assert not upward, f"{module} reaches {upward[0]}: {' -> '.join(_path(seen, upward[0]))}"
 
 
+@pytest.mark.slow
 def test_importing_the_model_half_loads_no_deepspeed():
     """At run time too (package __init__ files and third-party imports included): a fresh interpreter."""
     edges, _ = graph(ROOT, PACKAGE)

@@ -32,6 +32,7 @@ def one_error(proc: subprocess.CompletedProcess) -> str:
 
 
 # ----------------------------------------------------------------------------- output paths
+@pytest.mark.slow
 def test_export_target_with_files_is_refused_and_nothing_deleted(tmp_path):
     """Before: `--export-hf keep` trained, then `rmtree(keep)` (notes.txt gone, rc 0)."""
     keep = tmp_path / "keep"
@@ -53,6 +54,7 @@ def test_export_target_with_files_is_refused_and_nothing_deleted(tmp_path):
         ("REPO", "is a git checkout"),
     ],
 )
+@pytest.mark.slow
 def test_export_targets_that_would_overwrite_inputs_are_refused(tmp_path, target, message):
     _tiny_hf_checkpoint_dir = tmp_path / "hf"
     _tiny_hf_checkpoint_dir.mkdir()
@@ -68,6 +70,7 @@ def test_export_targets_that_would_overwrite_inputs_are_refused(tmp_path, target
     assert sorted(os.listdir(_tiny_hf_checkpoint_dir)) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option", ["--save", "--export-hf"])
 def test_unwritable_outputs_are_refused_before_training(tmp_path, option):
     """Before: an unwritable --save failed at the first save, an unwritable --export-hf after the last step."""
@@ -273,6 +276,7 @@ def test_resume_continues_at_the_consumed_samples_with_another_batch_size(tmp_pa
         (["MISSING_TAG"], "no checkpoint there (tag 'step9' is missing)"),
     ],
 )
+@pytest.mark.slow
 def test_bad_input_is_one_error_line_before_any_work(tmp_path, args, message):
     if args == ["BAD_JSONL"]:
         (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": oops}\n')

@@ -170,6 +170,7 @@ def test_two_ranks_two_accumulation_steps_equal_one_process_on_the_global_batch(
     assert len(set(per_row)) > 1, per_row  # unequal targets: a mean of means would differ
 
 
+@pytest.mark.slow
 def test_tiny_chat_run_trains_on_assistant_tokens(tmp_path):
     proc = python_run("--data", CHAT, "--train-iters", "24", "--output-dir", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -180,6 +181,7 @@ def test_tiny_chat_run_trains_on_assistant_tokens(tmp_path):
     assert last < first - 0.5, (first, last)
 
 
+@pytest.mark.slow
 def test_packed_chat_resume_is_bitwise(tmp_path, capsys):
     """Packed rows resume at their consumed-sample position: steps 3-4 after a resume from step 2 equal the
     uninterrupted run's bitwise. `convert describe` reports the training checkpoint complete, with its layout."""

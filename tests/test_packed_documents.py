@@ -58,6 +58,7 @@ def test_logits_equal_each_document_alone(packed):
     assert crossed > 1e-3  # control: without cu_seqlens the documents see each other
 
 
+@pytest.mark.slow
 def test_gradients_equal_token_weighted_per_document_losses(packed):
     path, cfg, _, hf, _, ids, cu = packed
     ours = glm53_ds.load_hf(str(path), mtp=False)  # HF has no MTP: compare the LM loss

@@ -74,7 +74,7 @@ def _run_layer(attn, x, mask, hf: bool, shared=None):
     return out.detach(), leaf.grad, grads, topk
 
 
-@pytest.mark.parametrize("impl", ["sparse", "triton", "dense"])
+@pytest.mark.parametrize("impl", ["sparse", pytest.param("triton", marks=pytest.mark.slow), "dense"])
 def test_layer_matches_transformers(pooled, impl):
     """One full DSA layer and the shared layer after it: HF vs ours, s = 3 x index_topk (sparse selection)."""
     name, path, hf = pooled
@@ -136,6 +136,7 @@ def _grads(fn, q, c, tokens, seed=1):
     return out.detach(), dq, dc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank,heads", [(24, 3), (64, 20)])
 def test_kernel_matches_the_reference_fp32(rank, heads):
     """Kernel vs torch reference: fp32 output <= 1e-5, dq and d_latent <= 1e-4; bitwise deterministic."""
@@ -148,6 +149,7 @@ def test_kernel_matches_the_reference_fp32(rank, heads):
     assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
 
 
+@pytest.mark.slow
 def test_kernel_chunked_latent_gradient_and_bf16():
     """The latent gradient summed over several chunks of query rows equals one chunk's; bf16 stays within bf16
     rounding of the fp32 reference."""
@@ -173,6 +175,7 @@ def test_blind_rows_average_all_values_with_hf_gradient():
         assert dq[0, :4].abs().max() > 0
 
 
+@pytest.mark.slow
 def test_packed_documents_and_mtp_agree_across_implementations(tmp_path):
     """The whole model (config A: full and shared DSA layers, MoE, MTP) on a packed row of three documents:
     sparse and triton equal the dense path (loss, MTP included, and every parameter gradient)."""
@@ -197,6 +200,7 @@ def test_packed_documents_and_mtp_agree_across_implementations(tmp_path):
             assert rel_err(got[name], grad) <= 1e-4, (impl, name, rel_err(got[name], grad))
 
 
+@pytest.mark.slow
 def test_bf16_logits_vs_transformers(tmp_path):
     """bf16 logits of the sparse forms: cosine >= 0.999 vs HF bf16 on config B; on config A at least as close to HF
     fp32 as HF's own bf16 (measured: B 0.99997 for both; A sparse 0.990, triton 0.993 vs HF bf16's 0.985)."""

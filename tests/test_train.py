@@ -161,6 +161,7 @@ def _bad_dataset(tmp_path) -> str:
         (["BAD_TOKENS"], "contains token id 300, outside the model's vocab_size 258"),
     ],
 )
+@pytest.mark.slow
 def test_setup_failures_name_the_problem(tmp_path, args, message):
     if args == ["BATCH_CONTRADICTION"]:
         config = tmp_path / "ds.json"
@@ -178,6 +179,7 @@ def test_setup_failures_name_the_problem(tmp_path, args, message):
     assert not (tmp_path / "out" / "metrics.jsonl").exists() or not metrics(tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_main_destroys_the_process_group_on_every_exit(tmp_path):
     """Left to interpreter teardown, gloo's threads sometimes abort the process after main has returned (measured:
     1 of 8 refused two-rank runs exited 250 instead of 2, 0 of 16 with the groups destroyed). Whatever main
@@ -295,6 +297,7 @@ def test_start_from_released_weights_under_ep2(tmp_path, source):
     assert abs(logged["lm_loss"] - sum(losses) / 2) <= 1e-5 * logged["lm_loss"], (logged, losses)
 
 
+@pytest.mark.slow
 def test_jsonl_with_a_transformers_tokenizer(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

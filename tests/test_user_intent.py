@@ -140,6 +140,7 @@ def test_an_export_is_loadable_and_trains_again_as_hf_dir(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_missing_tokenizer_is_one_error_naming_the_option(tmp_path):
     """Before: a --hf-dir without tokenizer files failed inside transformers ("install sentencepiece")."""
     from glm53_ds.training.presets import tiny
@@ -211,6 +212,7 @@ def test_long_conversations_follow_the_policy_and_are_reported(tmp_path, policy,
 
 
 # ----------------------------------------------------------------------------- 7. start-up and the converter
+@pytest.mark.slow
 def test_help_is_not_preceded_by_warnings():
     """Before: five Apex / Transformer-Engine warnings and DeepSpeed's accelerator guess came before the usage."""
     proc = subprocess.run(
