@@ -21,7 +21,6 @@ from __future__ import annotations
 import traceback
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,9 +189,3 @@ def _project_frame() -> str:
         if "/torch/" not in f.filename:
             return f"{f.filename}:{f.lineno}"
     return "?"
-
-
-@contextmanager
-def count_host_syncs(model: nn.Module | None = None) -> Iterator[HostSyncCounter]:
-    with HostSyncCounter(model) as counter:
-        yield counter

@@ -37,7 +37,7 @@ from torch import nn
 
 from .config import Glm53Config
 from .layers.chunked_ce import IGNORE_INDEX, linear_cross_entropy
-from .layers.documents import Documents
+from .layers.documents import Documents, check_cu_seqlens_type
 from .layers.forward_record import ForwardRecord, recording
 from .layers.linear import ColumnLinear
 from .layers.mtp import Glm53MtpLayer, shift_left
@@ -316,11 +316,8 @@ class Glm53Model(nn.Module):
             stats = [input_ids.min()[None], input_ids.max()[None]]
             if attention_mask is not None:
                 stats.append(attention_mask.bool().all().to(input_ids.dtype)[None])
-            if (
-                isinstance(cu_seqlens, torch.Tensor)
-                and cu_seqlens.dim() == 1
-                and not cu_seqlens.is_floating_point()
-            ):
+            if cu_seqlens is not None:
+                check_cu_seqlens_type(cu_seqlens)  # before the read; Documents checks the values
                 stats.append(cu_seqlens.to(device=input_ids.device, dtype=input_ids.dtype))
             host = torch.cat(stats).tolist()
             low, high, masked = host[0], host[1], attention_mask is not None

@@ -21,6 +21,15 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 
+def check_cu_seqlens_type(cu_seqlens: object) -> None:
+    """A ValueError unless `cu_seqlens` is a 1-D integer tensor (its values are checked by `Documents`)."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+        raise ValueError(
+            f"cu_seqlens must be a 1-D integer tensor [n_docs + 1], got "
+            f"{type(cu_seqlens).__name__} {tuple(getattr(cu_seqlens, 'shape', ()))}"
+        )
+
+
 @dataclass(frozen=True)
 class Documents:
     """Validated document boundaries of a packed row of `length` tokens."""
@@ -38,15 +47,7 @@ class Documents:
     ) -> Documents:
         """Check `cu_seqlens` against a row of `length` tokens (batch must be 1); one host read of `n_docs + 1`
         integers, or none when the caller read them already (`host_cuts`)."""
-        if (
-            not isinstance(cu_seqlens, torch.Tensor)
-            or cu_seqlens.dim() != 1
-            or cu_seqlens.is_floating_point()
-        ):
-            raise ValueError(
-                f"cu_seqlens must be a 1-D integer tensor [n_docs + 1], got "
-                f"{type(cu_seqlens).__name__} {tuple(getattr(cu_seqlens, 'shape', ()))}"
-            )
+        check_cu_seqlens_type(cu_seqlens)
         if batch != 1:
             raise ValueError(f"cu_seqlens packs documents into one row: input batch must be 1, got {batch}")
         cuts = [int(c) for c in (cu_seqlens.tolist() if host_cuts is None else host_cuts)]

@@ -22,7 +22,8 @@ def _is_gloo(group: dist.ProcessGroup | None) -> bool:
 
 
 def exchange_counts(send_counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Each rank's number of rows for every other rank -> the number of rows it will receive from each."""
+    """Each rank's counts for every other rank (`send_counts` [ranks, ...], row r for rank r) -> the counts each
+    rank sent this one ([ranks, ...], row r from rank r); on the device."""
     recv = torch.empty_like(send_counts)
     dist.all_to_all_single(recv, send_counts, group=group)
     return recv
@@ -110,12 +111,6 @@ class _ReduceRows(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         out = _gather_padded(grad.contiguous(), ctx.counts, ctx.group)
         return (out * ctx.grad_scale if ctx.grad_scale != 1.0 else out), None, None, None
-
-
-def gather_counts(n: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
-    counts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(counts, torch.tensor([n], dtype=torch.long, device=device), group=group)
-    return [int(c.item()) for c in counts]
 
 
 def gather_rows(

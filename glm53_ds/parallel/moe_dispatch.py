@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .comm import all_to_all, gather_rows, reduce_rows
+from .comm import all_to_all, exchange_counts, gather_rows, reduce_rows
 from .expert_shard import ExpertShard
 from .row_permutation import inverse_permutation, permute_rows
 
@@ -71,11 +71,7 @@ class ExpertParallelDispatch:
         rank, rows received from each, rows of each ETP peer) with one host read."""
         n_local = self.shard.num_local
         send_matrix = routed.counts.view(self.ep_size, n_local)  # [EP destination, E_local]
-        recv_matrix = torch.empty_like(send_matrix)
-        if self.ep_size > 1:
-            dist.all_to_all_single(recv_matrix, send_matrix.contiguous(), group=self.ep_group)
-        else:
-            recv_matrix = send_matrix
+        recv_matrix = exchange_counts(send_matrix, self.ep_group) if self.ep_size > 1 else send_matrix
         if self.etp_size > 1:
             peers = [torch.empty_like(recv_matrix) for _ in range(self.etp_size)]
             dist.all_gather(peers, recv_matrix.contiguous(), group=self.etp_group)

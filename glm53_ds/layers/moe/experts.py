@@ -92,10 +92,9 @@ class _GroupedSwiGLU(torch.autograd.Function):
         return d_rows, d_gate_up, d_down, None, None
 
 
-def grouped_mm_aligned(*sizes: int, dtype: torch.dtype) -> bool:
-    """Whether rows of these sizes meet the grouped GEMM's 16-byte stride rule in `dtype`."""
-    step = 16 // torch.empty((), dtype=dtype).element_size()
-    return all(n % step == 0 for n in sizes)
+def grouped_mm_step(dtype: torch.dtype) -> int:
+    """The grouped GEMM's 16-byte stride rule in elements of `dtype`: row sizes must be multiples of it."""
+    return 16 // dtype.itemsize
 
 
 class GroupedExperts(nn.Module):
@@ -122,12 +121,12 @@ class GroupedExperts(nn.Module):
 
     def impl(self, dtype: torch.dtype) -> str:
         """The backend `moe_impl` means for activations of `dtype`."""
-        aligned = grouped_mm_aligned(self.gate_up_proj.shape[-1], self.intermediate, dtype=dtype)
+        step = grouped_mm_step(dtype)
+        aligned = self.gate_up_proj.shape[-1] % step == 0 and self.intermediate % step == 0
         impl = backends.check(backends.MOE, self.moe_impl)
         if impl == "auto":
             return "grouped" if aligned else "loop"
         if impl == "grouped" and not aligned:
-            step = 16 // torch.empty((), dtype=dtype).element_size()
             raise ValueError(
                 f"moe_impl='grouped': the grouped GEMM needs hidden_size ({self.gate_up_proj.shape[-1]}) and the "
                 f"local moe_intermediate_size ({self.intermediate}) to be multiples of {step} in {dtype}; use "

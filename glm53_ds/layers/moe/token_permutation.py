@@ -6,8 +6,8 @@ that reads the maximum on the host). Pair p = t·k + j is token t's j-th choice.
 
 `gather` takes the rows of the sorted pairs from x [T, D]; its backward sums each token's k row gradients in
 one reduction (not an `index_add_` with repeated indices, whose CUDA atomics add in a run-dependent order).
-`combine` puts expert outputs back in pair order (a permutation: its backward is the inverse gather) and takes the router-weighted sum
-over each token's k outputs as one batched matmul [T, 1, k] @ [T, k, D].
+`combine` puts expert outputs back in pair order (a permutation: its backward is the inverse gather) and takes the
+router-weighted sum over each token's k outputs in fp32 (`_WeightedSum`).
 """
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ class _GatherPairs(torch.autograd.Function):
 
 
 class _WeightedSum(torch.autograd.Function):
-    """pairs [T, k, D], weights [T, k] (fp32) -> sum_j w_j y_j [T, D] accumulated in fp32 (or wider), one slot at a time: the
-    [T, k, D] fp32 products are never held (only the inputs are kept for backward), and nothing rounds the router
-    weights to the activation dtype."""
+    """pairs [T, k, D], weights [T, k] (fp32) -> sum_j w_j y_j [T, D] accumulated in fp32 (or wider), one slot at a
+    time: the [T, k, D] fp32 products are never held (only the inputs are kept for backward), and nothing rounds the
+    router weights to the activation dtype."""
 
     @staticmethod
     def forward(ctx: Any, pairs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
