@@ -124,3 +124,12 @@ def test_bad_cu_seqlens_is_named(packed, cu, length, batch, message):
         ours(ids, cu_seqlens=torch.tensor(cu))
     with pytest.raises(ValueError, match=message):
         Documents.from_cu_seqlens(torch.tensor(cu), length, batch)
+
+
+@pytest.mark.parametrize("cu", [[0, 5, 10], torch.tensor([0.0, 10.0]), torch.tensor([[0, 10]])])
+def test_cu_seqlens_of_the_wrong_type_is_named_before_the_input_read(packed, cu):
+    """The model reads cu_seqlens together with its input check (one host read); a list, a float or a 2-D tensor is
+    refused by the one type check before that read, with the message Documents gives."""
+    _, _, _, _, ours, _, _ = packed
+    with pytest.raises(ValueError, match="cu_seqlens must be a 1-D integer tensor"):
+        ours(torch.ones(1, 10, dtype=torch.long), cu_seqlens=cu)
