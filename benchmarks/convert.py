@@ -43,7 +43,7 @@ SHARD_BYTES = 16 << 20
 
 
 def _largest_tensor_bytes(directory: str) -> int:
-    from glm53_ds.convert.safetensors_file import SafetensorsFile
+    from glm53_ds.checkpoint.safetensors_file import SafetensorsFile
 
     files = [
         SafetensorsFile(os.path.join(directory, n))

@@ -344,7 +344,7 @@ def bf16_keeps_fp32(ckpt: str, ep: int, etp: int, save_dir: str) -> dict[str, An
     so the next step is bitwise the uninterrupted one; the logits stay close to the fp32 model's."""
     import os
 
-    from glm53_ds.convert.native_format import ShardReader
+    from glm53_ds.checkpoint import ShardReader
     from glm53_ds.engine import load_checkpoint, save_checkpoint
     from glm53_ds.engine.fp32_params import fp32_kept_names
     from glm53_ds.parallel.replicas import ReplicaMismatch, check_replicas
@@ -604,8 +604,8 @@ def portable_checkpoint(ckpt: str, ep: int, etp: int, phase: str, save_dir: str,
     import math
     import os
 
-    from glm53_ds.convert.native_format import ShardReader
-    from glm53_ds.convert.safetensors_file import SafetensorsSet
+    from glm53_ds.checkpoint import ShardReader
+    from glm53_ds.checkpoint.safetensors_file import SafetensorsSet
     from glm53_ds.engine import load_checkpoint, save_checkpoint
     from glm53_ds.parallel.expert_shard import expert_tensor_kind
 

@@ -365,8 +365,8 @@ def test_a_template_of_another_model_is_refused(hf_dir, tmp_path):
 
 def test_a_failed_conversion_leaves_no_temporary_directory(hf_dir, tmp_path, monkeypatch):
     """Before: each failure left `<out>.tmp<pid>/` with the shards written so far."""
+    from glm53_ds.checkpoint import ShardWriter
     from glm53_ds.convert import hf_to_native
-    from glm53_ds.convert.native_format import ShardWriter
 
     calls = {"n": 0}
     real_add = ShardWriter.add

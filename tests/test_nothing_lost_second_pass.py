@@ -88,8 +88,8 @@ def test_control_without_the_guards(stage, bf16, clip, monkeypatch):
 
 def test_a_model_holding_nan_is_never_saved(tmp_path):
     """Before: save_checkpoint wrote NaN weights and moved `latest` to them; now it refuses before writing."""
+    from glm53_ds.checkpoint import CheckpointError
     from glm53_ds.engine import save_checkpoint
-    from glm53_ds.engine.checkpoint import CheckpointError
 
     model = glm53_ds.build_model(Glm53Config.from_text_dict(CONFIG_A), mtp=False)
     engine = glm53_ds.build_engine(model, _ds_config(0, False, 1.0))
@@ -269,7 +269,7 @@ def test_index_entries_stay_inside_the_checkpoint(converted, tmp_path):
 
 def test_a_huge_safetensors_header_length_is_one_clear_error(tmp_path):
     """Before: a header length of 2**40 made a bare MemoryError traceback naming no file."""
-    from glm53_ds.convert.safetensors_file import SafetensorsFile
+    from glm53_ds.checkpoint.safetensors_file import SafetensorsFile
 
     path = tmp_path / "bad.safetensors"
     path.write_bytes(struct.pack("<Q", 1 << 40) + b"{}")

@@ -17,7 +17,8 @@ import shutil
 import pytest
 import torch
 
-from glm53_ds.engine.checkpoint import CheckpointError, check_checkpoint_fits, spread
+from glm53_ds.checkpoint import CheckpointError
+from glm53_ds.engine.checkpoint import check_checkpoint_fits, spread
 from glm53_ds.training.presets import preset
 from tests.test_train import ROOT, deepspeed_run, metrics
 
@@ -139,8 +140,7 @@ def test_bf16_masters_and_moments_survive_a_layout_change_exactly(tmp_path):
     EP2 under ZeRO-1 and under the stage-0 bf16 optimizer, which save again: every fp32 master, Adam moment, model
     tensor (bf16) and fp32-kept parameter comes out bitwise as it went in (the masters read back through
     DeepSpeed's own partitions). Under ZeRO each rank reads only its part of the replicated optimizer state."""
-    from glm53_ds.config import Glm53Config
-    from glm53_ds.engine.checkpoint import _StoredSets
+    from glm53_ds.checkpoint import OPTIMIZER, CheckpointDir, placement
     from glm53_ds.parallel.expert_shard import ExpertShard
     from tests.dist_harness import run_world
     from tests.model_fixtures import CONFIG_A, save_tiny_hf
@@ -162,17 +162,16 @@ def test_bf16_masters_and_moments_survive_a_layout_change_exactly(tmp_path):
     for r in loaded:
         assert r["replicated_state_read_1"] <= 0.6 and r["replicated_state_read_0"] == 1.0, r
 
-    cfg = Glm53Config.from_hf(str(hf))
-    whole = ExpertShard.for_config(cfg)  # EP = ETP = 1: every expert whole
-
     def contents(tag_dir: str) -> dict:
-        root = os.path.join(tag_dir, "glm53")
-        with open(os.path.join(root, "layout.json"), encoding="utf-8") as f:
-            meta = json.load(f)
-        sets = _StoredSets(root, meta, cfg, whole)
-        out = {("model", k): sets.read(k, k) for k in sets.keys()}
-        for key in sets.keys("optimizer_"):
-            out[("optimizer", key)] = sets.read(key.split(":")[0], key, prefix="optimizer_")
+        """Every stored tensor as a single-process model holds it (read through placements at EP = ETP = 1)."""
+        ckpt = CheckpointDir(tag_dir)
+        whole = ExpertShard.for_config(ckpt.model_config)
+        out = {}
+        for prefix, kind in (("", "model"), (OPTIMIZER, "optimizer")):
+            for key in ckpt.keys(prefix):
+                name = key.split(":")[0]
+                target = placement(name, ckpt.stored_shape(name, key, prefix), whole)
+                out[(kind, key)] = ckpt.read(target, key, prefix=prefix)
         return out
 
     before = contents(os.path.join(save_dir, "a"))

@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from glm53_ds.convert.safetensors_file import SafetensorsFile
+from glm53_ds.checkpoint.safetensors_file import SafetensorsFile
 
 
 @pytest.fixture

@@ -250,9 +250,9 @@ def _tiny_hf_checkpoint(path) -> None:
 def write_hf_checkpoint(path, cfg, mtp: bool = True, seed: int = 0) -> None:
     """A released-layout checkpoint of `cfg` written in-process (MTP tensors only with `mtp`), no tokenizer."""
     import glm53_ds
+    from glm53_ds.checkpoint import ShardWriter
     from glm53_ds.convert.export_hf import SMALL_VISION
     from glm53_ds.convert.names import released_tensors
-    from glm53_ds.convert.native_format import ShardWriter
 
     torch.manual_seed(seed)
     model = glm53_ds.build_model(cfg)

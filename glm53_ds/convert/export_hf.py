@@ -18,105 +18,49 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..config import Glm53Config
-from ..model import Glm53Model, build_model
-from ..parallel.expert_shard import DOWN, ExpertShard, expert_tensor_kind
-from ..safe_io import check_output_dir, read_manifest, staged_dir, verify_files
-from .import_hf import ConversionError, HFSource
-from .names import Placement, released_layout
-from .native_format import (
+from ..checkpoint import (
     DEFAULT_SHARD_BYTES,
-    ShardReader,
+    REPLICATED,
+    CheckpointDir,
+    CheckpointError,
     ShardWriter,
     expert_set_name,
-    latest_tag,
-    read_layout,
 )
+from ..config import Glm53Config
+from ..model import Glm53Model, build_model
+from ..safe_io import check_output_dir, staged_dir
+from .import_hf import ConversionError, HFSource
+from .names import Placement, released_layout
 from .tokenizer_files import TOKENIZER_FILES, write_byte_tokenizer
 
 SMALL_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32,
                     projection_intermediate_size=32)  # fmt: skip
 
 
-def native_root(ckpt: str) -> str:
-    """`ckpt` may be the checkpoint directory (with `latest`), a tag directory, or its `glm53/` directory."""
-    for candidate in (ckpt, os.path.join(ckpt, "glm53")):
-        if os.path.isfile(os.path.join(candidate, "layout.json")):
-            return candidate
-    if os.path.isfile(os.path.join(ckpt, "latest")):
-        return os.path.join(ckpt, latest_tag(ckpt), "glm53")
-    raise FileNotFoundError(f"{ckpt!r} is not a glm53_ds checkpoint (no layout.json, no 'latest')")
-
-
-class NativeCheckpoint:
-    """A native checkpoint's model, read as single tensors or released-layout slices. Every file it reads (layout,
-    the kept config, the model sets' indexes and shards) is checked against the tag's manifest first: size and
-    CRC-32, never a file the manifest does not list (a damaged export is refused, not written)."""
+class NativeCheckpoint(CheckpointDir):
+    """A native checkpoint's model for the converters: the released tensors read as boxes of the native ones
+    (`names.Placement` -> `CheckpointDir.read_index`). Every file it reads (layout, the kept config, the model sets'
+    indexes and shards) is checked against the tag's manifest first: size and CRC-32, never a file the manifest
+    does not list (a damaged export is refused, not written)."""
 
     def __init__(self, ckpt: str) -> None:
-        self.root = native_root(ckpt)
-        self._tag_dir = os.path.dirname(os.path.abspath(self.root))
-        self._manifest = read_manifest(self._tag_dir)
-        self._check("layout.json", *(["hf_config.json"] if os.path.isfile(os.path.join(self.root, "hf_config.json"))
-                                     else []))  # fmt: skip
-        self.meta = read_layout(self.root)
-        self.cfg = Glm53Config.from_text_dict(self.meta["config"])
-        self.ep, self.etp = self.meta["ep"], self.meta["etp"]
-        self.shard = ExpertShard.for_config(self.cfg, ep=self.ep, etp=self.etp)  # the layout's rule
-        self.replicated = self._open("replicated")
-        self.experts = {
-            (e, t): self._open(expert_set_name(e, t)) for e in range(self.ep) for t in range(self.etp)
-        }
-        self.mtp = any(k.startswith("mtp.") for k in self.replicated.keys())
+        try:
+            super().__init__(ckpt, check_files=True)
+        except CheckpointError as e:
+            raise ConversionError(str(e)) from e
+        if self.cfg is None:
+            raise ConversionError(f"{self.root}: layout.json does not record the model config")
+        for name in [REPLICATED] + [expert_set_name(e, t) for e in range(self.ep) for t in range(self.etp)]:
+            self.tensor_set(name)  # every model file checked before anything is written
+        self.mtp = self.has_mtp
 
-    def _check(self, *names: str) -> None:
-        """`names` (relative to the model directory) against the manifest; one error naming every problem."""
-        prefix = os.path.relpath(os.path.abspath(self.root), self._tag_dir)
-        paths = [os.path.normpath(os.path.join(prefix, n)) for n in names]
-        problems = [f"{p} is not in the manifest" for p in paths if p not in self._manifest]
-        problems += verify_files(self._tag_dir, self._manifest, [p for p in paths if p in self._manifest])
-        if problems:
-            raise ConversionError(
-                f"checkpoint {self._tag_dir} is damaged or incomplete: " + "; ".join(problems[:10])
-            )
-
-    def _open(self, name: str) -> ShardReader:
-        self._check(f"{name}.index.json")
-        reader = ShardReader(self.root, name)
-        self._check(*sorted(set(reader.weight_map.values())))
-        return reader
-
-    def read(self, p: Placement) -> torch.Tensor:
+    def read_released(self, p: Placement) -> torch.Tensor:
         """The part of the full native tensor `p` points at, assembled from the shards."""
-        kind = expert_tensor_kind(p.native)
-        if kind is None:
-            return self.replicated.get_slice(p.native, p.index) if p.index else self.replicated.get(p.native)
-        expert = p.index[0]
-        assert isinstance(expert, int)
-        owner = self.shard.owner(expert)
-        e = self.shard.local_index(expert)
-        shards = [self.experts[(owner, t)] for t in range(self.etp)]
-        if kind == DOWN:  # [E_l, D, I_l] -> [D, I]
-            return torch.cat([s.get_slice(p.native, (slice(e, e + 1),))[0] for s in shards], dim=1)
-        rows = p.index[1]
-        assert isinstance(rows, slice)
-        inner = self.shard.local_intermediate
-        half = 0 if rows.start == 0 else inner  # gate rows, then up rows, in each shard
-        return torch.cat(
-            [s.get_slice(p.native, (slice(e, e + 1), slice(half, half + inner)))[0] for s in shards]
-        )
-
-    def full_tensor(self, native: str) -> torch.Tensor:
-        """A whole native tensor as a single-process (EP = ETP = 1) model holds it."""
-        kind = expert_tensor_kind(native)
-        if kind is None:
-            return self.replicated.get(native)
-        parts = [[self.experts[(e, t)].get(native) for t in range(self.etp)] for e in range(self.ep)]
-        return self.shard.unshard(kind, parts)
+        return self.read_index(p.native, p.index)
 
     def released(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, placements in released_layout(self.cfg, mtp=self.mtp).items():
-            pieces = [self.read(p) for p in placements]
+        for name, placements in released_layout(self.model_config, mtp=self.mtp).items():
+            pieces = [self.read_released(p) for p in placements]
             yield name, pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def write_hf_config(self, path: str, template: str | None, verbatim: str | None = None) -> None:
@@ -133,11 +77,13 @@ class NativeCheckpoint:
         if template:
             with open(os.path.join(template, "config.json"), encoding="utf-8") as f:
                 config = json.load(f)
-            (config["text_config"] if "text_config" in config else config).update(self.cfg.to_text_dict())
+            (config["text_config"] if "text_config" in config else config).update(
+                self.model_config.to_text_dict()
+            )
             return config
         return dict(architectures=["Glm5NextForConditionalGeneration"], model_type="glm5_next",
-                    text_config=self.cfg.to_text_dict(), vision_config=SMALL_VISION,
-                    tie_word_embeddings=self.cfg.tie_word_embeddings, dtype="float32")  # fmt: skip
+                    text_config=self.model_config.to_text_dict(), vision_config=SMALL_VISION,
+                    tie_word_embeddings=self.model_config.tie_word_embeddings, dtype="float32")  # fmt: skip
 
 
 GENERATION_CONFIG = "generation_config.json"
@@ -151,7 +97,7 @@ def check_template(native: NativeCheckpoint, hf_template: str) -> None:
         theirs = Glm53Config.from_hf(hf_template).to_text_dict()
     except (OSError, ValueError) as e:
         raise ConversionError(f"--hf-template {hf_template!r}: {e}") from e
-    ours = native.cfg.to_text_dict()
+    ours = native.model_config.to_text_dict()
     differ = sorted(
         k for k in set(ours) | set(theirs) if k not in RUN_FIELDS and ours.get(k) != theirs.get(k)
     )
@@ -202,14 +148,20 @@ def native_to_hf(
             shutil.copyfile(kept[0], os.path.join(tmp, GENERATION_CONFIG))
         else:
             with open(os.path.join(tmp, GENERATION_CONFIG), "w", encoding="utf-8") as f:
-                json.dump(dict(eos_token_id=native.cfg.eos_token_id, pad_token_id=native.cfg.pad_token_id), f)
+                json.dump(
+                    dict(
+                        eos_token_id=native.model_config.eos_token_id,
+                        pad_token_id=native.model_config.pad_token_id,
+                    ),
+                    f,
+                )
     return out
 
 
 def load_native(ckpt: str, dtype: torch.dtype = torch.float32) -> Glm53Model:
     """A native checkpoint (any EP x ETP layout) as a single-process Glm53Model."""
     native = NativeCheckpoint(ckpt)
-    model = build_model(native.cfg, dtype=dtype, mtp=native.mtp)
+    model = build_model(native.model_config, dtype=dtype, mtp=native.mtp)
     state = model.state_dict()
     with torch.no_grad():
         for name, target in state.items():

@@ -18,9 +18,12 @@ from collections.abc import Callable, Iterator
 import torch
 from tqdm import tqdm
 
+from ..checkpoint import DEFAULT_SHARD_BYTES, ShardWriter, expert_set_name, placement, write_layout
+from ..checkpoint.placement import copies, index_placement
+from ..checkpoint.safetensors_file import SafetensorsSet, check_plain_file_name
 from ..config import Glm53Config
 from ..model import build_model
-from ..parallel.expert_shard import GATE_UP, ExpertShard, expert_tensor_kind
+from ..parallel.expert_shard import ExpertShard, expert_tensor_kind
 from ..safe_io import (
     atomic_write_text,
     check_output_dir,
@@ -38,8 +41,6 @@ from .names import (
     released_layout,
     split_to_released,
 )
-from .native_format import DEFAULT_SHARD_BYTES, ShardWriter, expert_set_name, write_layout
-from .safetensors_file import SafetensorsSet, check_plain_file_name
 
 NATIVE_TAG = "hf"
 
@@ -232,50 +233,30 @@ def hf_to_native(
             bar(len(pieces))
         writer.close()
 
-        # expert shards
+        # expert shards: each released expert tensor is a box of its native grouped tensor (`placement.py`); a
+        # shard's tensor is filled from the released tensors overlapping its placement, one at a time
         expert_natives = [n for n in by_native if expert_tensor_kind(n)]
-        # native expert tensor -> expert -> {"gate_proj" | "up_proj" | "down_proj": released name}
-        expert_sources: dict[str, dict[int, dict[str, str]]] = {}
-        for native in expert_natives:
-            for released, p in by_native[native]:
-                expert = p.index[0]
-                assert isinstance(expert, int)
-                expert_sources.setdefault(native, {}).setdefault(expert, {})[released.rsplit(".", 2)[1]] = (
-                    released
-                )
-
-        def read(released: str) -> torch.Tensor:
-            return source.read_released(released, available[released], cfg)
-
         for shard in layout_shard.all_shards():
             writer = ShardWriter(root, expert_set_name(shard.ep_rank, shard.etp_rank), shard_bytes)
             for native in expert_natives:
-                gate_up = expert_tensor_kind(native) == GATE_UP
+                target = placement(native, shapes[native], shard)
                 stacked: torch.Tensor | None = None  # this shard's stacked experts, filled in place
-                for i, e in enumerate(shard.local_experts):
-                    names = expert_sources[native][e]  # "gate_proj"/"up_proj" or "down_proj" -> released name
-                    if gate_up:
-                        for kind in ("gate_proj", "up_proj"):
-                            piece = shard.slice_gate(read(names[kind]))
-                            if stacked is None:
-                                stacked = piece.new_empty(
-                                    (shard.num_local, 2 * shard.local_intermediate, piece.shape[1])
-                                )
-                            stacked[i, shard.gate_up_rows(kind)] = piece
-                            del piece
-                    else:
-                        piece = shard.slice_down(read(names["down_proj"]))
-                        if stacked is None:
-                            stacked = piece.new_empty(
-                                (shard.num_local, piece.shape[0], shard.local_intermediate)
-                            )
-                        stacked[i] = piece
-                        del piece
+                for released, p in by_native[native]:
+                    box = index_placement(native, shapes[native], p.index)
+                    overlaps = list(copies(target, box))
+                    if not overlaps:
+                        continue
+                    piece = source.read_released(released, available[released], cfg).reshape(box.local_shape)
+                    if stacked is None:
+                        stacked = piece.new_empty(target.local_shape)
+                    for src, dst in overlaps:
+                        stacked[dst] = piece[src]
+                    del piece
+                    if shard.etp_rank == 0:
+                        bar(1)
                 assert stacked is not None
                 writer.add(native, convert(stacked))
                 del stacked
-                if shard.etp_rank == 0:
-                    bar(shard.num_local * (2 if gate_up else 1))
             writer.close()
 
         write_layout(root, dict(ep=ep, etp=etp, world_size=None, model_only=True, config=cfg.to_text_dict()))

@@ -22,7 +22,7 @@ def verify(hf_dir: str, ckpt: str, out: Callable[..., object] = print) -> float:
     tensor)."""
     native = NativeCheckpoint(ckpt)
     source = HFSource(hf_dir, fp8_dtype=torch.float32)
-    cfg = native.cfg
+    cfg = native.model_config
     available = source.released_names(cfg)
     layout = released_layout(cfg, mtp=native.mtp)
     worst, differ = 0.0, 0
@@ -33,7 +33,7 @@ def verify(hf_dir: str, ckpt: str, out: Callable[..., object] = print) -> float:
             worst, differ = float("inf"), differ + 1
             continue
         try:
-            pieces = [native.read(p) for p in placements]
+            pieces = [native.read_released(p) for p in placements]
         except (KeyError, FileNotFoundError):
             out(f"{name:<80} {'-':>20} {'not native':>12}")
             worst, differ = float("inf"), differ + 1

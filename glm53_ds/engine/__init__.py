@@ -8,7 +8,8 @@
   the gradient-sync patch;
 - `mpu.py`: `DeepSpeedMpu`; `fp32_params.py`: HF's fp32-kept parameters outside DeepSpeed's bf16 cast, with their
   own reduction, norm share and fp32 optimizer;
-- `checkpoint.py`: training checkpoints (`save_checkpoint` / `load_checkpoint`) and `export_engine_to_hf`.
+- `checkpoint.py`: a running engine's checkpoints (`save_checkpoint` / `load_checkpoint`: DeepSpeed's partitions and
+  the layout-free optimizer state over the format `glm53_ds/checkpoint/` owns) and `export_engine_to_hf`.
 """
 
 from .build import (

@@ -6,12 +6,13 @@ With E routed experts of intermediate size I, EP expert-parallel ranks and ETP e
     same columns of the down projection.
 Native grouped tensors (`layers/moe/experts.py`): `gate_up_proj [E, 2I, D]` (gate rows, then up rows) and
 `down_proj [E, D, I]`; a shard holds `[E/EP, 2I/ETP, D]` (its gate slice, then its up slice) and `[E/EP, D, I/ETP]`.
-The loader, both converter directions, the MoE dispatcher, checkpoints and tests all go through this type.
+The loader, both converter directions, the MoE dispatcher, checkpoints and tests all go through this type;
+checkpoint reads restate it as boxes of the global tensor (`checkpoint/placement.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import overload
 
@@ -138,63 +139,6 @@ class ExpertShard:
             raise ValueError(f"unknown expert tensor kind {kind!r}")
         inner = full.shape[1] // 2
         return torch.cat([sel[:, :inner][:, self.rows], sel[:, inner:][:, self.rows]], dim=1)
-
-    def unshard(self, kind: str, parts: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
-        """`parts[ep_rank][etp_rank]` (every shard's part of one grouped tensor) -> the full tensor."""
-        if len(parts) != self.ep or any(len(p) != self.etp for p in parts):
-            raise ValueError(f"unshard needs EP={self.ep} x ETP={self.etp} parts")
-        per_ep = []
-        for row in parts:
-            if kind == DOWN:
-                per_ep.append(torch.cat(list(row), dim=2))
-            else:
-                half = row[0].shape[1] // 2
-                gate = torch.cat([p[:, :half] for p in row], dim=1)
-                up = torch.cat([p[:, half:] for p in row], dim=1)
-                per_ep.append(torch.cat([gate, up], dim=1))
-        return torch.cat(per_ep)
-
-    def gather_from(
-        self, saved: ExpertShard, kind: str, read: Callable[[int, int, tuple[slice, ...]], torch.Tensor]
-    ) -> torch.Tensor:
-        """This shard's part of a grouped tensor stored in another layout's shards: `saved` is any shard of that
-        layout (its EP / ETP sizes count), `read(ep_rank, etp_rank, index)` reads `part[index]` of a stored part.
-        Reads only the experts and intermediate rows this shard needs (a layout change of a checkpoint)."""
-        if (saved.n_experts, saved.intermediate) != (self.n_experts, self.intermediate):
-            raise ValueError(
-                f"stored experts {saved.n_experts} x intermediate {saved.intermediate} differ from this model's "
-                f"{self.n_experts} x {self.intermediate}"
-            )
-        want_e = (self.first_expert, self.first_expert + self.num_local)
-        want_i = (self.rows.start, self.rows.stop)
-        per_ep = []
-        for s in range(saved.ep):
-            src = saved.at(s, 0)
-            lo, hi = max(want_e[0], src.first_expert), min(want_e[1], src.first_expert + src.num_local)
-            if lo >= hi:
-                continue
-            experts = slice(lo - src.first_expert, hi - src.first_expert)
-            pieces: dict[str, list[torch.Tensor]] = {"gate": [], "up": [], "down": []}
-            for t in range(saved.etp):
-                rows = saved.at(s, t).rows
-                a, b = max(want_i[0], rows.start), min(want_i[1], rows.stop)
-                if a >= b:
-                    continue
-                local = slice(a - rows.start, b - rows.start)
-                if kind == DOWN:
-                    pieces["down"].append(read(s, t, (experts, slice(None), local)))
-                elif kind == GATE_UP:
-                    part = saved.local_intermediate
-                    pieces["gate"].append(read(s, t, (experts, local, slice(None))))
-                    up = slice(part + local.start, part + local.stop)
-                    pieces["up"].append(read(s, t, (experts, up, slice(None))))
-                else:
-                    raise ValueError(f"unknown expert tensor kind {kind!r}")
-            if kind == DOWN:
-                per_ep.append(torch.cat(pieces["down"], dim=2))
-            else:
-                per_ep.append(torch.cat([*pieces["gate"], *pieces["up"]], dim=1))
-        return torch.cat(per_ep)
 
     def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A full native state dict -> this shard's (grouped expert tensors sliced, everything else as is)."""

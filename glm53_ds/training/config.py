@@ -16,8 +16,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from ..checkpoint import CheckpointDir
 from ..config import Glm53Config
-from ..convert.native_format import latest_tag, read_layout
 from ..safe_io import OutputPathError, check_output_dir, published_tags
 from ..transformer_config import FULL_RECOMPUTE_LOSSES
 from .packing import LONG_DOCUMENTS
@@ -242,9 +242,8 @@ def resolve_model(
     elif model_config:
         cfg, name = preset(model_config), model_config
     elif load:
-        root = os.path.join(load, load_tag or latest_tag(load), "glm53")
         try:
-            stored = read_layout(root).get("config")
+            stored = CheckpointDir(load, load_tag or None).meta.get("config")
         except (OSError, ValueError) as e:
             raise SetupError(f"--load {load!r}: {e}") from e
         if not stored:

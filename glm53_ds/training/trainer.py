@@ -23,10 +23,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from ..checkpoint import CheckpointDir, CheckpointError, layout_record, verify_checkpoint
 from ..config import Glm53Config
-from ..convert.native_format import ShardReader
 from ..engine import (
-    CheckpointError,
     Glm53Engine,
     NonFiniteGradientError,
     build_engine,
@@ -35,11 +34,9 @@ from ..engine import (
     describe_param_groups,
     export_engine_to_hf,
     init_distributed,
-    layout_record,
     load_checkpoint,
     read_client_state,
     save_checkpoint,
-    verify_checkpoint,
 )
 from ..hf_loader import SafetensorsCheckpoint, checkpoint_has_mtp, load_hf_state_into
 from ..layers.moe import update_router_bias
@@ -393,8 +390,7 @@ class Trainer:
         if checkpoint is not None:  # MTP follows what the weights hold
             use_mtp = use_mtp and checkpoint_has_mtp(checkpoint.keys(), cfg)
         elif c.load:
-            replicated = ShardReader(os.path.join(c.load, str(self.load_tag), "glm53"), "replicated")
-            use_mtp = use_mtp and any(k.startswith("mtp.") for k in replicated.keys())
+            use_mtp = use_mtp and CheckpointDir(c.load, str(self.load_tag)).has_mtp
         model = Glm53Model(tconfig, mtp=use_mtp, pg_collection=self.layout.pg_collection)
         if checkpoint is not None:
             load_hf_state_into(model, checkpoint, mtp=use_mtp)  # each rank reads only its expert shard

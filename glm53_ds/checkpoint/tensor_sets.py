@@ -1,13 +1,10 @@
-"""The native (training) checkpoint format: named sets of size-bounded safetensors files.
+"""Tensor sets: a named group of size-bounded safetensors files with one index, written streaming, read per tensor.
 
-A directory `<ckpt>/<tag>/glm53/` holds
-    layout.json                               format, EP, ETP, the Glm53Config, model_only flag
-    hf_config.json                            (optional) the config.json the weights came from, kept verbatim
-    replicated.index.json + replicated-NNNNN.safetensors              every non-expert tensor
-    experts_ep<EEE>_etp<TTT>.index.json + ...-NNNNN.safetensors       one EP x ETP expert shard
-Native names are glm53_ds state-dict keys; expert tensors hold the shard's local experts
-([E/EP, 2I/ETP, D] and [E/EP, D, I/ETP]). Writers stream (one tensor in memory plus the current output file)
-and write every file under a temporary name, renaming it when complete; the index is written last.
+A set `<name>` is `<name>.index.json` (`{"metadata": {"total_size"}, "weight_map": {key: file}}`) and its files
+`<stem>-NNNNN.safetensors`. Writers stream (one tensor in memory plus the current output file) and write every file
+under a temporary name, renaming it when complete; the index is written last. Several writers (ranks) may fill one
+set, each into files of its own, one of them writing the index from every part. The export to HF writes its
+`model.safetensors.index.json` with the same writer.
 """
 
 from __future__ import annotations
@@ -21,12 +18,7 @@ from safetensors.torch import save_file
 
 from .safetensors_file import SafetensorsSet, check_plain_file_name
 
-FORMAT = "glm53_ds-native-v2"
 DEFAULT_SHARD_BYTES = 2 * 1024**3
-
-
-def expert_set_name(ep_rank: int, etp_rank: int) -> str:
-    return f"experts_ep{ep_rank:03d}_etp{etp_rank:03d}"
 
 
 class ShardWriter:
@@ -121,31 +113,3 @@ class ShardReader:
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for key in self.weight_map:
             yield key, self.get(key)
-
-
-def latest_tag(load_dir: str) -> str:
-    """The tag `<load_dir>/latest` names (the one reading of that file)."""
-    path = os.path.join(load_dir, "latest")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no checkpoint in {load_dir!r}: the file 'latest' is missing")
-    with open(path, encoding="utf-8") as f:
-        return f.read().strip()
-
-
-def write_layout(directory: str, meta: dict) -> None:
-    path = os.path.join(directory, "layout.json")
-    tmp = path + f".tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"format": FORMAT, **meta}, f, indent=2)
-    os.replace(tmp, path)
-
-
-def read_layout(directory: str) -> dict:
-    path = os.path.join(directory, "layout.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{directory!r} is not a glm53_ds checkpoint (no layout.json)")
-    with open(path, encoding="utf-8") as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: unknown checkpoint format {meta.get('format')!r} (expected {FORMAT})")
-    return meta
