@@ -23,7 +23,7 @@ from benchmarks.measure import print_table, write_results  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Baseline: interpreter, libraries and the weight-less model definition (as tests/test_convert.py measures).
+# Baseline: interpreter, libraries and the weight-less model definition (as tests/convert/test_convert.py measures).
 _RUN = """
 import json, sys, time
 import glm53_ds.model, glm53_ds.convert.import_hf as m

@@ -4,8 +4,8 @@
   (16k tokens, D=4096, H=4) and at awkward shapes (H=1,3,8; D not a multiple of the block; strided inputs);
 - fla-core's KDA kernel vs the torch chunked path (when `fla` is installed), forward and input gradients;
 - the MLA core through SDPA vs HF's expression, padding (blind) queries included, with the memory of each.
-Tolerances as in tests/test_hc_post.py; KDA: relative max error <= 2e-2 in bf16, <= 1e-3 in fp32; attention
-<= 1e-5 in fp32 (tests/test_attention.py), <= 2e-2 in bf16 (the eager path rounds the scores to bf16).
+Tolerances as in tests/mhc/test_hc_post.py; KDA: relative max error <= 2e-2 in bf16, <= 1e-3 in fp32; attention
+<= 1e-5 in fp32 (tests/layers/test_mla.py), <= 2e-2 in bf16 (the eager path rounds the scores to bf16).
 `--device cpu --small` runs the same checks through Triton's interpreter for a dry run.
 """
 

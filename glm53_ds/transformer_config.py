@@ -19,7 +19,7 @@ from .config import Glm53Config
 from .layers.chunked_ce import DEFAULT_CHUNK_BYTES
 from .parallel.state import ensure_model_parallel
 
-# Full recompute is refused with the layer losses (tests/test_forward_record.py measures the loss of gradient);
+# Full recompute is refused with the layer losses (tests/layers/test_forward_record.py measures the loss of gradient);
 # selective recompute (torch's non-reentrant checkpoint) keeps their graph.
 FULL_RECOMPUTE_LOSSES = (
     "megatron's full recompute runs each layer's forward without autograd, so the gradients of the MoE balance "

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from typing import Any
@@ -149,3 +150,15 @@ def add_mtp_tensors(path, seed: int = 7) -> dict[str, torch.Tensor]:
     tensors.update(added)
     save_file(tensors, file, metadata={"format": "pt"})
     return added
+
+
+def engine_config(stage: int, bf16: bool, clip: float) -> dict:
+    """A DeepSpeed config for an in-process engine of the tiny model (2 sequences per step, no logging)."""
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": clip,
+            "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}, "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9}  # fmt: skip
+
+
+def read_manifest_json(tag_dir) -> dict:
+    """A checkpoint tag's manifest.json as written (`tag_dir`: a pathlib.Path)."""
+    return json.loads((tag_dir / "manifest.json").read_text())

@@ -1,4 +1,4 @@
-"""`launch/train.py` with the control of tests/test_resume_layouts.py: a resume at another layout that takes the
+"""`launch/train.py` with the control of tests/engine/test_checkpoint.py: a resume at another layout that takes the
 model, step, data position and RNG from the checkpoint but starts the optimizer state fresh (Adam moments zero,
 masters from the weights). The rest of argv is the trainer's command line; run through the DeepSpeed launcher."""
 

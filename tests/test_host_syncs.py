@@ -6,7 +6,7 @@ Budget (EP = 1): one host read per forward, the input check in `Glm53Model._chec
 the mask has padding, the packed documents' boundaries: one `tolist`), and none in any layer or in backward, on
 batches without padding, packed or not. A batch with padding adds one per full DSA layer (which k-pools HF keeps
 is decided on the device). Under EP each MoE layer adds one copy of its all-to-all split sizes
-(tests/test_expert_parallel.py). Controls: the counter sees every kind of sync it names, and the reference loop
+(tests/engine/test_gradient_sync.py). Controls: the counter sees every kind of sync it names, and the reference loop
 experts (`moe_impl="loop"`) break the budget.
 """
 

@@ -1,5 +1,5 @@
 """README.md's first two fenced bash blocks are the two commands (one line each: install + main job, install +
-tests); CI extracts and runs the second as written (the main job itself runs in test_train.py)."""
+tests); CI extracts and runs the second as written (the main job itself runs in tests/training/test_trainer.py)."""
 
 from __future__ import annotations
 

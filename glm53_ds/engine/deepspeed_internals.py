@@ -11,7 +11,7 @@ glm53_ds needs DeepSpeed to do four things it has no public API for (docs/parall
   5. read and write the optimizer state of one parameter whatever optimizer holds it (`ParamOptimizerState`),
      for checkpoints that resume at another layout.
 `PATCHED_SYMBOLS` lists every private symbol touched here; `docs/parallelism.md` carries the same table and
-`tests/test_engine_internals.py` keeps the two equal and checks that no other module touches these symbols.
+`tests/engine/test_build.py` keeps the two equal and checks that no other module touches these symbols.
 `check_version()` refuses a DeepSpeed outside `SUPPORTED` before anything is patched.
 """
 
@@ -183,7 +183,7 @@ def _install_norm_fixes(engine: Any, layout: ParallelLayout) -> None:
     - BF16_Optimizer: on ETP ranks other than 0 it has no replicated gradient to count and stacks an empty list;
       a zero placeholder keeps its (otherwise correct) computation going.
     ZeRO-1/2 compute the global norm correctly once expert shards carry `tensor_model_parallel` (see
-    `build.prepare_model`); tests/test_expert_parallel.py checks every mode.
+    `build.prepare_model`); tests/engine/test_gradient_sync.py checks every mode.
     """
     optimizer = engine.optimizer
     expert_group = layout.pg_collection.tp_ep

@@ -8,7 +8,7 @@ once per shard in norms); no PP. Without SP, data parallel = the ranks sharing t
   - data parallel = `layout.pure_dp_group` (without SP ranks): the divisor of the expert gradients that stage 0
     all-reduces over the expert-data-parallel group (SP ranks included), so they too are summed over SP, and the
     data-parallel size of DeepSpeed's batch arithmetic (train_batch_size = micro x GAS x its size).
-tests/test_sequence_parallel.py measures each path against the single-process global batch.
+tests/parallel/test_sequence.py measures each path against the single-process global batch.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """GLM-5.3 inside a stock megatron-core `GPTModel` (no subclass, no wrapper): the project's specs + `load_hf_into`.
 
-Tolerances as in test_model_parity.py: fp32 logits max relative error <= 1e-5 (relative to the max |logit|) on
+Tolerances as in tests/test_model.py: fp32 logits max relative error <= 1e-5 (relative to the max |logit|) on
 non-padding positions, every parameter's gradient (mapped by name) <= 1e-4 relative to its max magnitude, bf16
 logits cosine >= 0.999 against transformers' bf16 logits with HF's attention expression (attention_impl="eager").
 megatron's labels are the next tokens (`labels[t] = input_ids[t + 1]`) with a loss mask; transformers' loss over

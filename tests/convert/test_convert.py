@@ -18,9 +18,8 @@ from glm53_ds.convert import hf_to_native, native_to_hf, verify
 from glm53_ds.convert.export_hf import load_native
 from glm53_ds.convert.fp8 import quantize_fp8
 from glm53_ds.convert.import_hf import ConversionError
+from tests.cli import ROOT
 from tests.model_fixtures import CONFIG_A, add_mtp_tensors, load_hf_reference, rel_err, save_tiny_hf
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _all_tensors(directory) -> dict[str, torch.Tensor]:

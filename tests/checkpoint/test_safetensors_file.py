@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -81,3 +83,15 @@ def test_errors_name_the_file_and_tensor(written, tmp_path):
     short.write_bytes(b"\x01\x02")
     with pytest.raises(ValueError, match="shorter than 8 bytes"):
         SafetensorsFile(str(short))
+
+
+def test_a_huge_safetensors_header_length_is_one_clear_error(tmp_path):
+    """Before: a header length of 2**40 made a bare MemoryError traceback naming no file."""
+    from glm53_ds.checkpoint.safetensors_file import SafetensorsFile
+
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    with pytest.raises(
+        ValueError, match=rf"{path}: not a safetensors file \(its header length 1099511627776 exceeds"
+    ):
+        SafetensorsFile(str(path))

@@ -15,7 +15,7 @@ from glm53_ds.convert.__main__ import main as convert_main
 from glm53_ds.training.data import ByteTokenizer, HFTokenizer, open_stream
 from glm53_ds.training.packing import IGNORE_INDEX, byte_chat_template, chat_messages, pack, render_chat
 from glm53_ds.training.presets import preset
-from tests.test_train import ROOT, deepspeed_run, metrics, python_run
+from tests.cli import ROOT, deepspeed_run, metrics, python_run
 
 CHAT = os.path.join(ROOT, "data", "tiny_chat.jsonl")
 TEMPLATE = (
@@ -239,3 +239,30 @@ def test_sequence_parallel_run_equals_one_process(tmp_path):
         bad.returncode == 2 and "--indexer-loss-coef 0.1: the DSA indexer loss is not supported" in bad.stderr
     ), bad.stderr[-2000:]
     assert not (tmp_path / "bad2" / "metrics.jsonl").exists()
+
+
+def test_chat_shapes_map_to_messages():
+    """Before: only `messages` (system / user / assistant) and prompt + completion were accepted."""
+    from glm53_ds.training.packing import chat_messages
+
+    share = {"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"},
+                               {"from": "gpt", "value": "a"}, {"from": "observation", "value": "o"}]}  # fmt: skip
+    assert [m["role"] for m in chat_messages(share, "f:1")] == ["system", "user", "assistant", "tool"]
+    alpaca = {"instruction": "add", "input": "1 1", "output": "2"}
+    assert chat_messages(alpaca, "f:2") == [{"role": "user", "content": "add\n\n1 1"},
+                                            {"role": "assistant", "content": "2"}]  # fmt: skip
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    tools = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                          {"role": "tool", "content": "r", "tool_call_id": "1"}]}  # fmt: skip
+    out = chat_messages(tools, "f:3")
+    assert (
+        out[1] == {"role": "assistant", "content": "", "tool_calls": [call]} and out[2]["tool_call_id"] == "1"
+    )
+    with pytest.raises(ValueError, match=r"f:4: messages\[1\]\.content must be a string, got int"):
+        chat_messages(
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": 3}]}, "f:4"
+        )
+    with pytest.raises(ValueError, match=r"f:5: conversations\[0\]\.from must be one of"):
+        chat_messages({"conversations": [{"from": "bot", "value": "x"}]}, "f:5")
+    with pytest.raises(ValueError, match=r"f:6: conversations\[0\]\.value must be a string"):
+        chat_messages({"conversations": [{"from": "human", "value": None}]}, "f:6")

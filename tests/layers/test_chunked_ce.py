@@ -101,3 +101,20 @@ def test_model_loss_and_gradients_equal_the_materialised_head(tied, mtp):
     assert grads.keys() == ref_grads.keys() and "embedding.weight" in grads
     for name in ref_grads:  # the project's gradient bound; measured 1.1e-5 (attn_hc.scale, sparse attention)
         assert rel_err(grads[name], ref_grads[name]) <= 1e-4, name
+
+
+@pytest.mark.parametrize("label", [-1, 96, -7])
+def test_the_chunked_head_refuses_labels_outside_the_vocabulary(label):
+    """Before: label -1 was trained as class 0 by the chunked head, where the materialised head and transformers
+    raise. Now both heads refuse every label outside [0, V) except the ignore index."""
+    from glm53_ds.layers.chunked_ce import linear_cross_entropy
+
+    hidden, weight = torch.randn(6, 8), torch.randn(96, 8)
+    target = torch.tensor([1, 2, -100, label, 5, 6])
+    with pytest.raises((RuntimeError, IndexError)):  # the control: cross_entropy's contract
+        torch.nn.functional.cross_entropy(hidden @ weight.t(), target)
+    for chunk_bytes in (4 * 96 * 2, 0):
+        with pytest.raises(RuntimeError, match=r"a target is outside \[0, 96\)"):
+            linear_cross_entropy(hidden, weight, target, chunk_bytes=chunk_bytes)
+    target[3] = 7
+    assert torch.isfinite(linear_cross_entropy(hidden, weight, target, chunk_bytes=4 * 96 * 2))

@@ -5,7 +5,7 @@ Tolerances (fp32): outputs <= 1e-5 and gradients <= 1e-4 relative to the referen
 selections exactly equal. bf16: logits cosine >= 0.999 vs HF bf16 on config B; on the chaotic config A (where HF's
 own bf16 logits reach only 0.985 of its fp32 ones) at least as close to HF fp32 as HF bf16 is. Covered: index_kpool
 4 and 16, tail on and off, left padding (blind rows), packed documents, a `shared` selection layer, MTP, and a
-control that drops the tail and must fail. SP 2 runs the default (sparse) path in test_sequence_parallel.py.
+control that drops the tail and must fail. SP 2 runs the default (sparse) path in tests/parallel/test_sequence.py.
 """
 
 from __future__ import annotations

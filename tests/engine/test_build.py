@@ -12,9 +12,9 @@ import torch
 import glm53_ds
 from glm53_ds.config import Glm53Config
 from glm53_ds.engine import Glm53Engine, deepspeed_internals
+from tests.cli import ROOT
 from tests.model_fixtures import CONFIG_A
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INTERNALS = os.path.join(ROOT, "glm53_ds", "engine", "deepspeed_internals.py")
 
 

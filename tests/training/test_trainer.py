@@ -1,5 +1,8 @@
-"""`deepspeed launch/train.py` end to end on CPU ranks: training, resume exactness, a save killed halfway, HF
-export, and every set-up failure with its message."""
+"""The trainer (training/trainer.py) end to end, `deepspeed launch/train.py` on CPU ranks: training, resume
+exactness (at the consumed samples, with another batch size, at another layout keeping the global batch), a save
+killed halfway, a huge learning rate stopping at the last good checkpoint, a resume on another corpus refused, a
+two-rank refusal reported once, HF export, what the run says (saves, resumes, names), and every set-up failure with
+its message."""
 
 from __future__ import annotations
 
@@ -12,37 +15,19 @@ import sys
 import pytest
 import torch
 
-from glm53_ds.compat.deepspeed_shm import remove_buffers
-from glm53_ds.parallel.state import free_port
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAIN = os.path.join(ROOT, "launch", "train.py")
-DIE_DURING_SAVE = os.path.join(ROOT, "tests", "die_during_save.py")  # the trainer, killed inside one save
-# Subprocess limits catch a hang, not a slow machine: a loaded 2-core machine ran a 4-minute test in 5.5 minutes.
-HANG_TIMEOUT = 1800
-
-
-def deepspeed_run(
-    ranks: int, *args: str, env: dict | None = None, timeout: int = HANG_TIMEOUT, script: str = TRAIN
-) -> subprocess.CompletedProcess:
-    port = free_port()
-    cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(port), script, *args]
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})  # fmt: skip
-    finally:
-        remove_buffers(port)  # DeepSpeed's /dev/shm buffers of ranks killed on purpose
-
-
-def python_run(*args: str, timeout: int = HANG_TIMEOUT) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, TRAIN, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
-    )
-
-
-def metrics(output_dir) -> list[dict]:
-    with open(os.path.join(output_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
+import glm53_ds
+from tests.cli import (
+    DIE_DURING_SAVE,
+    HANG_TIMEOUT,
+    QUICK,
+    ROOT,
+    deepspeed_run,
+    metrics,
+    one_error,
+    python_run,
+    run,
+    tiny_hf_checkpoint,
+)
 
 
 @pytest.mark.slow
@@ -60,8 +45,6 @@ def test_two_ranks_train_export_and_plot(tmp_path):
     assert any(p.name.startswith("events") for p in (tmp_path / "tb").iterdir())
     # the export is a transformers checkpoint with the trained weights
     from transformers import Glm5NextForConditionalGeneration
-
-    import glm53_ds
 
     hf = Glm5NextForConditionalGeneration.from_pretrained(export, attn_implementation="eager").eval()
     ours = glm53_ds.load_hf(str(export)).eval()
@@ -227,7 +210,7 @@ def test_router_bias_rate_defaults_by_preset(tmp_path):
     def rate(*argv: str) -> float:
         return TrainConfig.from_args(build_parser().parse_args(list(argv))).router_bias_update_rate
 
-    # the preset's rate follows the model, whichever route it came by (issue 25: tests/test_user_intent.py)
+    # the preset's rate follows the model, whichever route it came by (issue 25: tests/training/test_config.py)
     assert rate() == rate("--model-config", "tiny") == 1e-2
     assert (
         rate("--hf-dir", str(tmp_path), "--tokenizer", "bytes")
@@ -240,41 +223,15 @@ def test_router_bias_rate_defaults_by_preset(tmp_path):
     assert rate("--router-bias-update-rate", "0") == 0.0
 
 
-def _tiny_hf_checkpoint(path) -> None:
-    """A released-layout checkpoint of the tiny preset (with MTP), written in-process."""
-    from glm53_ds.training.presets import tiny
-
-    write_hf_checkpoint(path, tiny())
-
-
-def write_hf_checkpoint(path, cfg, mtp: bool = True, seed: int = 0) -> None:
-    """A released-layout checkpoint of `cfg` written in-process (MTP tensors only with `mtp`), no tokenizer."""
-    import glm53_ds
-    from glm53_ds.checkpoint import ShardWriter
-    from glm53_ds.convert.export_hf import SMALL_VISION
-    from glm53_ds.convert.names import released_tensors
-
-    torch.manual_seed(seed)
-    model = glm53_ds.build_model(cfg)
-    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    writer = ShardWriter(str(path), "model", index_file="model.safetensors.index.json")
-    for name, tensor in released_tensors(state, cfg, mtp=mtp):
-        writer.add(name, tensor)
-    writer.close()
-    config = dict(model_type="glm5_next", text_config=cfg.to_text_dict(), vision_config=SMALL_VISION)
-    (path / "config.json").write_text(json.dumps(config))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("source", ["hf-dir", "converted"])
 def test_start_from_released_weights_under_ep2(tmp_path, source):
     """Each EP rank reads only its experts (from --hf-dir, or from `glm53-convert hf-to-native --ep 2` via
     --load); the first step's loss equals the single-process model's mean loss over the same global batch."""
-    import glm53_ds
     from glm53_ds.convert import hf_to_native
     from glm53_ds.training.data import ByteTokenizer, SampleStream, resolve_dataset
 
-    _tiny_hf_checkpoint(tmp_path / "hf")
+    tiny_hf_checkpoint(tmp_path / "hf")
     if source == "hf-dir":
         start = ["--hf-dir", str(tmp_path / "hf"), "--tokenizer", "bytes"]
     else:
@@ -320,3 +277,112 @@ def test_jsonl_with_a_transformers_tokenizer(tmp_path):
                       "--train-iters", "2", "--output-dir", str(tmp_path / "run"))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(metrics(tmp_path / "run")) == 2
+
+
+@pytest.mark.slow
+def test_resume_continues_at_the_consumed_samples_with_another_batch_size(tmp_path):
+    """Before: the position was step x the current global batch: a run saved at step 3 with 4 samples per step and
+    resumed with 2 re-read samples 6..11."""
+    ck = tmp_path / "ck"
+    common = [*QUICK[2:], "--save", str(ck), "--micro-batch-size", "2"]
+    first = run(
+        "--train-iters", "3", *common, "--global-batch-size", "4", "--output-dir", str(tmp_path / "a")
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert [r["consumed_samples"] for r in metrics(tmp_path / "a")] == [4, 8, 12]
+    second = run("--train-iters", "5", *common, "--global-batch-size", "2", "--load", str(ck),
+                 "--output-dir", str(tmp_path / "a"))  # fmt: skip
+    assert second.returncode == 0, second.stderr[-3000:]
+    records = metrics(tmp_path / "a")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]  # a resumed run does not repeat rows
+    assert [r["consumed_samples"] for r in records] == [4, 8, 12, 14, 16]
+    # another seed changes the sample order: refused
+    error = one_error(run("--train-iters", "6", *common, "--global-batch-size", "2", "--load", str(ck), "--seed", "9",
+                          "--output-dir", str(tmp_path / "b")))  # fmt: skip
+    assert "seed 9 here, 1234 in the checkpoint" in error
+
+
+@pytest.mark.slow
+def test_a_huge_learning_rate_stops_at_the_last_good_checkpoint(tmp_path):
+    """The issue's run: --lr 1e9 --save-interval 1. Before: step 2's NaN update was applied, saved as step2 (83 NaN
+    tensors), `latest` moved there and the stop named it. Now the step-2 update is refused, step1 stays latest, the
+    stop names it, and step1 is whole and finite."""
+    ck = tmp_path / "ck"
+    proc = run(*QUICK[2:], "--train-iters", "4", "--lr", "1e9", "--save", str(ck), "--save-interval", "1",
+               "--output-dir", str(tmp_path / "a"))  # fmt: skip
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "gradient norm is nan at step 2" in errors[0], proc.stderr[-2000:]
+    assert f"The last checkpoint this run saved is {ck / 'step1'}" in errors[0]
+    assert (ck / "latest").read_text() == "step1" and not (ck / "step2").exists()
+    from glm53_ds.convert.export_hf import load_native
+
+    model = load_native(str(ck))  # step1: whole, verified, and finite
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_a_resume_on_another_corpus_is_refused(tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("the quick brown fox jumps over the lazy dog " * 20)
+    b.write_text("the lazy dog jumps over the quick brown fox " * 20)
+    ck = tmp_path / "ck"
+    proc = run(*QUICK, "--data", str(a), "--save", str(ck), "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    error = one_error(run(*QUICK[2:], "--train-iters", "3", "--data", str(b), "--load", str(ck), "--save", str(ck),
+                          "--output-dir", str(tmp_path / "o")))  # fmt: skip
+    assert "the data differs from the checkpoint's (fingerprint" in error, error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["before the process group", "after it"])
+def test_a_two_rank_refusal_is_reported_once(tmp_path, case):
+    """Before: every rank printed the same refusal (two `error:` lines at two ranks)."""
+    args = ["--seq-length", "0"] if case == "before the process group" else ["--ep", "3"]
+    proc = deepspeed_run(2, *args, "--train-iters", "1", "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode != 0
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error: " in line]
+    assert len(errors) == 1, errors
+
+
+@pytest.mark.slow
+def test_a_resume_at_another_layout_keeps_the_global_batch(tmp_path):
+    """Before: without --global-batch-size the batch came from the layout: an EP2 checkpoint (4 per step) resumed in
+    one process trained with 2 (consumed 12 -> 14 -> 16; steps 4-5 off the uninterrupted curve). Now the
+    checkpoint's batch is kept (16, 20; the uninterrupted losses within 1e-5); another one given on purpose is
+    announced in one line."""
+    ck = tmp_path / "ck"
+    common = [*QUICK[2:], "--micro-batch-size", "2"]
+    full = deepspeed_run(2, *common, "--ep", "2", "--train-iters", "5", "--save", str(ck), "--save-interval", "3",
+                         "--output-dir", str(tmp_path / "full"))  # fmt: skip
+    assert full.returncode == 0, full.stderr[-3000:]
+    resumed = run(*common, "--train-iters", "5", "--load", str(ck), "--load-tag", "step3", "--output-dir",
+                  str(tmp_path / "resumed"))  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {ck / 'step3'}: step 3, 12 consumed samples, global batch 4" in resumed.stderr
+    a, b = metrics(tmp_path / "full")[3:], metrics(tmp_path / "resumed")
+    assert [r["consumed_samples"] for r in b] == [16, 20]
+    for x, y in zip(a, b, strict=True):
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (x, y)
+    other = run(*common, "--train-iters", "4", "--load", str(ck), "--load-tag", "step3", "--global-batch-size", "2",
+                "--output-dir", str(tmp_path / "other"))  # fmt: skip
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert (
+        "--global-batch-size 2: the checkpoint trained with 4 sequences per step; this run continues with 2"
+        in (other.stderr)
+    )
+    assert [r["consumed_samples"] for r in metrics(tmp_path / "other")] == [14]
+
+
+@pytest.mark.slow
+def test_saves_resumes_and_names_are_said(tmp_path):
+    """Before: no line for a save, a resume or an export; the console's `loss` was the LM loss while metrics.jsonl's
+    `loss` is the total. Now each is one line with its path, and the log line uses metrics.jsonl's names."""
+    ck = tmp_path / "ck"
+    proc = run(*QUICK, "--save", str(ck), "--log-interval", "1", "--output-dir", str(tmp_path / "a"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"saved {ck / 'step2'} (step 2, 4 consumed samples)" in proc.stderr
+    record = metrics(tmp_path / "a")[-1]
+    final = next(line for line in proc.stdout.splitlines() if line.startswith("final: "))
+    assert f"lm_loss {record['lm_loss']:.4f}" in final and f"loss {record['loss']:.4f}" in final
+    assert f"mtp_loss {record['mtp_loss']:.4f}" in final

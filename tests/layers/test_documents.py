@@ -16,6 +16,7 @@ import glm53_ds
 from glm53_ds import get_glm53_block_spec, load_hf_into, make_transformer_config
 from glm53_ds.config import Glm53Config
 from glm53_ds.layers.documents import Documents
+from tests.layers.test_mtp import reference_mtp
 from tests.model_fixtures import (
     CONFIG_A,
     add_mtp_tensors,
@@ -24,7 +25,6 @@ from tests.model_fixtures import (
     rel_err,
     save_tiny_hf,
 )
-from tests.test_mtp import reference_mtp
 
 LENGTHS = [13, 1, 2, 11, 9]  # index_topk = 8: the long documents select sparsely
 

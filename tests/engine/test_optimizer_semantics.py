@@ -18,8 +18,8 @@ from glm53_ds.layers.dsa_indexer import DsaIndexer, kl_from_scores
 from glm53_ds.layers.mla import SparseMLA
 from glm53_ds.layers.sparse_attention import pooled_attention_mass
 from glm53_ds.parallel import init_layout
+from tests.cli import deepspeed_run, tiny_hf_checkpoint
 from tests.model_fixtures import CONFIG_A, rel_err
-from tests.test_train import _tiny_hf_checkpoint, deepspeed_run
 
 ONE_D = ("A_log", "dt_bias", "_hc.base", "_hc.scale", "norm.weight", "layernorm.weight")
 
@@ -244,7 +244,7 @@ def test_indexer_frozen_by_default_and_trained_with_its_loss_under_ep2(tmp_path)
     weight decay shrank 5 of the 7 indexer tensors of a tiny model in 5 steps.)"""
     source = tmp_path / "hf"
     source.mkdir()
-    _tiny_hf_checkpoint(source)
+    tiny_hf_checkpoint(source)
     original = {k: v for f in sorted(source.glob("*.safetensors")) for k, v in load_file(f).items()}
     indexer_names = [k for k in original if ".indexer." in k]
     assert len(indexer_names) >= 7

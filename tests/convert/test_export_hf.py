@@ -1,0 +1,67 @@
+"""The HF export (convert/export_hf.py): a template of another model refused, the tokenizer carried, an export that
+transformers loads and the trainer starts from again."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.cli import QUICK, run
+
+
+def test_a_template_of_another_model_is_refused(hf_dir, tmp_path):
+    """Before: any --hf-template was taken (rc 0, an export transformers could not load)."""
+    from glm53_ds.convert import hf_to_native, native_to_hf
+    from glm53_ds.convert.import_hf import ConversionError
+
+    native = hf_to_native(str(hf_dir), str(tmp_path / "native"))
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["text_config"]["intermediate_size"] = 256
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ConversionError, match=r"another model .* intermediate_size: checkpoint 128, template 256"
+    ):
+        native_to_hf(native, str(tmp_path / "out"), hf_template=str(other))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_export_carries_the_tokenizer_files(hf_dir, tmp_path):
+    source = tmp_path / "hf"
+    import shutil
+
+    shutil.copytree(hf_dir, source)
+    (source / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    (source / "generation_config.json").write_text('{"do_sample": false}')
+    proc = run(*QUICK[:2], "--hf-dir", str(source), "--tokenizer", "bytes", "--output-dir", str(tmp_path / "out"),
+               "--export-hf", str(tmp_path / "export"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # --hf-dir's generation settings travel; the tokenizer is the one the run trained with (here the byte tokenizer,
+    # written as a real one: tests/training/test_config.py), not --hf-dir's placeholder
+    gen = "generation_config.json"
+    assert (tmp_path / "export" / gen).read_text() == (source / gen).read_text()
+    assert (
+        json.loads((tmp_path / "export" / "tokenizer_config.json").read_text())["eos_token"]
+        == "<|endoftext|>"
+    )
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]  # the export's work directory is gone
+
+
+@pytest.mark.slow
+def test_an_export_is_loadable_and_trains_again_as_hf_dir(tmp_path):
+    """Before: with the byte tokenizer (or --tokenizer DIR) --export-hf wrote no tokenizer and no
+    generation_config.json, and the export fed back as --hf-dir failed inside transformers, once per rank."""
+    from transformers import AutoTokenizer
+
+    export = tmp_path / "export"
+    proc = run(*QUICK, "--output-dir", str(tmp_path / "a"), "--export-hf", str(export))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"exported {export}" in proc.stderr
+    assert AutoTokenizer.from_pretrained(export).encode("ab", add_special_tokens=False) == [97, 98]
+    assert json.loads((export / "generation_config.json").read_text())["eos_token_id"] == 256
+    again = run(*QUICK, "--hf-dir", str(export), "--output-dir", str(tmp_path / "b"))
+    assert again.returncode == 0, again.stderr[-3000:]

@@ -1,0 +1,81 @@
+"""The MoE dispatcher (parallel/moe_dispatch.py) under EP x ETP on CPU ranks: the grouped dispatch, with experts and
+whole ranks that receive no token, against the single-process reference (loop experts) on the global batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.dist_harness import (
+    compare_to_reference,
+    global_batch,
+    load_models,
+    local_rows,
+    run_world,
+    setup_ranks,
+)
+from tests.model_fixtures import rel_err
+
+
+def moe_dispatch(ckpt: str, ep: int, etp: int) -> dict[str, Any]:
+    """The grouped dispatch under EP x ETP against the single-process reference (loop experts) on the global
+    batch, with routing forced (router bias) onto experts 0 and 1 only: every other expert, and every EP rank but
+    the first, gets no tokens. Also counts the host syncs of one forward + backward (tokens all real)."""
+    from glm53_ds.host_syncs import HostSyncCounter
+    from glm53_ds.layers.moe import Glm53MoE
+
+    layout = setup_ranks(ep, etp)
+    rank, world = layout.rank, layout.world_size
+    ref, model = load_models(ckpt, layout, torch.float32)
+    for m in (ref, model):
+        for layer in m.modules():
+            if isinstance(layer, Glm53MoE):
+                layer.router.e_score_correction_bias[:2] = 10.0  # selection only: weights stay the scores
+                layer.experts.moe_impl = "loop" if m is ref else "grouped"
+    ids = global_batch(ref.glm.vocab_size, world, seed=11)[0]
+    ref.train()
+    model.train()
+    # Each rank's loss is its local mean, so an expert's gradient sums all ranks' local means (world x the global
+    # mean's), times the dispatcher's 1/ETP (moe_dispatch.py: DeepSpeed's expert averaging makes it whole).
+    (ref(ids, labels=ids) * (world / etp)).backward()
+    with torch.no_grad():
+        ref_local = ref(local_rows(ids, rank), labels=local_rows(ids, rank))
+    with HostSyncCounter(model) as counter:
+        loss = model(local_rows(ids, rank), labels=local_rows(ids, rank))
+        loss.backward()
+    out: dict[str, Any] = {"loss_rel_err": rel_err(loss.detach(), ref_local)}
+    out["expert_grad_err"] = compare_to_reference(model, ref, layout, use_grad=True)["expert"]
+    shard = layout.expert_shard(ref.glm)
+    out["starved_rank"] = shard.first_expert >= 2
+    out["expert_grads"] = {
+        n: (None if p.grad is None else float(p.grad.abs().max()))
+        for n, p in model.named_parameters()
+        if n.endswith(("gate_up_proj", "down_proj"))
+    }
+    out["moe_layers"] = sum(isinstance(m, Glm53MoE) for m in model.modules())
+    out["syncs"] = {k: v.syncs for k, v in counter.scopes.items()}
+    out["sync_sites"] = counter.summary()["sync_sites"]
+    return out
+
+
+@pytest.mark.slow
+def test_grouped_dispatch_with_starved_experts_and_ranks_ep2_etp2(tmp_path, checkpoints):
+    """Grouped experts behind the EP x ETP dispatcher against the single-process loop reference, with routing forced
+    onto experts 0 and 1: six experts and the whole second EP rank get no tokens. Their gradients are zeros, not
+    missing (ZeRO reduces every expert gradient; a missing one hangs it). Host syncs: the forward's input read plus
+    one copy of the split sizes per MoE layer, none in backward."""
+    full, _ = checkpoints
+    results = run_world(4, moe_dispatch, tmp_path, ckpt=full, ep=2, etp=2)
+    for r in results:
+        assert r["loss_rel_err"] <= 1e-5, r
+        assert r["expert_grad_err"] <= 1e-5, r
+        assert all(v is not None for v in r["expert_grads"].values()), r
+        if r["starved_rank"]:
+            assert max(r["expert_grads"].values()) == 0.0, r
+        layer_syncs = {k: v for k, v in r["syncs"].items() if k.startswith("layer")}
+        assert sum(layer_syncs.values()) == r["moe_layers"], r["sync_sites"]
+        assert r["syncs"].get("backward", 0) == 0, r["sync_sites"]
+        assert r["syncs"].get("outside", 0) == 1, r["sync_sites"]
+    assert any(r["starved_rank"] for r in results)

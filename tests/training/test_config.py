@@ -1,0 +1,143 @@
+"""The trainer's configuration (training/config.py, args.py): bad input is one error line before any work, the model
+and its defaults follow what the run loads, a --save holding another run's checkpoints is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.cli import QUICK, ROOT, metrics, one_error, run, train_config, write_hf_checkpoint
+
+
+@pytest.mark.slow
+def test_model_config_as_absolute_path_trains(tmp_path):
+    """Before: the output dir became runs/<the config path> and the run died on 'Not a directory'."""
+    from glm53_ds.training.presets import tiny
+
+    config = tmp_path / "glm53_test_absolute_config.json"
+    # another model than the tiny preset: its output directory is named after the file (the tiny preset's own
+    # config would train into runs/tiny, since defaults follow the model)
+    config.write_text(json.dumps(tiny().replace(hidden_size=48).to_text_dict()))
+    out = os.path.join(ROOT, "runs", "glm53_test_absolute_config")
+    assert not os.path.exists(out)
+    try:
+        proc = run(*QUICK, "--model-config", str(config))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert len(metrics(out)) == 2
+    finally:
+        import shutil
+
+        shutil.rmtree(out, ignore_errors=True)  # created by this test's run
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--seq-length", "0"], "--seq-length must be >= 1, got 0"),
+        (["--global-batch-size", "0"], "--global-batch-size must be >= 1, got 0"),
+        (["--lr", "-1"], "--lr must be a finite number >= 0, got -1.0"),
+        (["--lr", "nan"], "--lr must be a finite number >= 0, got nan"),
+        (["BAD_JSONL"], "bad.jsonl:2: not a JSON line"),
+        (["NO_HIDDEN_SIZE"], "does not give hidden_size"),
+        (["DS_OPTIMIZER"], "has a section 'optimizer'; the trainer builds it from --lr / --weight-decay"),
+        (["MISSING_TAG"], "no checkpoint there (tag 'step9' is missing)"),
+    ],
+)
+@pytest.mark.slow
+def test_bad_input_is_one_error_line_before_any_work(tmp_path, args, message):
+    if args == ["BAD_JSONL"]:
+        (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": oops}\n')
+        args = ["--data", str(tmp_path / "bad.jsonl")]
+    elif args == ["NO_HIDDEN_SIZE"]:
+        from glm53_ds.training.presets import tiny
+
+        text = tiny().to_text_dict()
+        del text["hidden_size"]
+        (tmp_path / "c.json").write_text(json.dumps(text))
+        args = ["--model-config", str(tmp_path / "c.json")]
+    elif args == ["DS_OPTIMIZER"]:
+        (tmp_path / "ds.json").write_text(json.dumps({"optimizer": {"type": "Adam", "params": {"lr": 1}}}))
+        args = ["--deepspeed_config", str(tmp_path / "ds.json")]
+    elif args == ["MISSING_TAG"]:
+        (tmp_path / "ck").mkdir()
+        (tmp_path / "ck" / "latest").write_text("step1")
+        args = ["--load", str(tmp_path / "ck"), "--load-tag", "step9"]
+    error = one_error(run(*QUICK, *args, "--output-dir", str(tmp_path / "out")))
+    assert message in error, error
+
+
+@pytest.mark.slow
+def test_a_fresh_run_never_replaces_another_runs_checkpoints(tmp_path):
+    """Before: a run without --load pointed at an existing --save replaced that run's step2 (rc 0, no word). Now it
+    is refused before any work, naming the tags and the three ways on; resuming there, or --save-into-existing,
+    still writes there."""
+    ck = tmp_path / "ck"
+    first = run(*QUICK, "--save", str(ck), "--output-dir", str(tmp_path / "a"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = (ck / "step2" / "manifest.json").read_text()
+    error = one_error(run(*QUICK, "--lr", "1e-2", "--save", str(ck), "--output-dir", str(tmp_path / "b")))
+    assert f"--save '{ck}' already holds checkpoints (step2; latest: step2)" in error, error
+    assert f"--load {ck}" in error and "--save-into-existing" in error
+    assert (ck / "step2" / "manifest.json").read_text() == saved  # untouched
+    assert not (tmp_path / "b" / "metrics.jsonl").exists()  # refused before any work
+    # told to: it writes there (its own step2 replaces the other's)
+    proc = run(
+        *QUICK, "--lr", "1e-2", "--save", str(ck), "--save-into-existing", "--output-dir", str(tmp_path / "c")
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (ck / "step2" / "manifest.json").read_text() != saved
+
+
+def test_defaults_follow_the_model_not_the_route(tmp_path):
+    """Before: the same tiny weights trained at router-bias rate 1e-2 into runs/tiny as a converted checkpoint and
+    at 1e-3 into runs/hf by --hf-dir. Now both are the tiny preset's, and another model gets the general ones."""
+    from glm53_ds.convert import hf_to_native
+    from glm53_ds.training.presets import tiny
+
+    _hf_dir_path = tmp_path / "hf"
+    _hf_dir_path.mkdir()
+    write_hf_checkpoint(_hf_dir_path, tiny())
+    native = hf_to_native(str(_hf_dir_path), str(tmp_path / "native"))
+    by_hf = train_config("--hf-dir", str(_hf_dir_path), "--tokenizer", "bytes")
+    by_load = train_config("--load", native)
+    for config in (by_hf, by_load):
+        assert config.router_bias_update_rate == 1e-2 and config.output_dir == os.path.join("runs", "tiny")
+    other = tmp_path / "wide"
+    other.mkdir()
+    write_hf_checkpoint(other, tiny().replace(hidden_size=48))
+    wide = train_config("--hf-dir", str(other), "--tokenizer", "bytes")
+    assert wide.router_bias_update_rate == 1e-3 and wide.output_dir == os.path.join("runs", "wide")
+
+
+@pytest.mark.slow
+def test_a_converted_checkpoint_trains_as_the_model_it_holds(tmp_path):
+    """Before: `--load <converted>` built the tiny preset and refused any other model ("hidden_size: 48 in the
+    checkpoint, 64 here"); with --model-config it then failed on missing mtp.0.* until --no-mtp. Now it builds the
+    checkpoint's own model, with MTP only where the checkpoint holds its tensors, and says what it loaded."""
+    from glm53_ds.convert import hf_to_native
+    from glm53_ds.training.presets import tiny
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    write_hf_checkpoint(
+        hf, tiny().replace(hidden_size=48), mtp=False
+    )  # the config says 1 MTP layer, the weights have none
+    native = hf_to_native(str(hf), str(tmp_path / "native"), ep=1)
+    proc = run(*QUICK, "--load", native, "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "loaded the weights of" in proc.stderr and "(fresh optimizer state, step 0" in proc.stderr
+    assert all("mtp_loss" not in r for r in metrics(tmp_path / "o"))
+
+
+@pytest.mark.slow
+def test_a_missing_tokenizer_is_one_error_naming_the_option(tmp_path):
+    """Before: a --hf-dir without tokenizer files failed inside transformers ("install sentencepiece")."""
+    from glm53_ds.training.presets import tiny
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    write_hf_checkpoint(hf, tiny())
+    error = one_error(run(*QUICK, "--hf-dir", str(hf), "--output-dir", str(tmp_path / "o")))
+    assert f"--tokenizer '{hf}': no tokenizer there" in error and "--tokenizer bytes" in error, error
