@@ -13,17 +13,17 @@ from glm53_ds.training.trainer import main  # noqa: E402
 _at = sys.argv.index("--die-during-save")
 TAG = sys.argv[_at + 1]
 del sys.argv[_at : _at + 2]
-_write_experts = checkpoint._write_experts
+_write_set = checkpoint._write_set
 
 
-def _dying_write_experts(layout, root, state, expert_names):  # type: ignore[no-untyped-def]
+def _dying_write_set(root, set_name, state, names):  # type: ignore[no-untyped-def]
     tag_dir = os.path.basename(os.path.dirname(root))  # root is <save>/<tag being written>/glm53
-    if tag_dir == TAG or tag_dir.startswith(f".{TAG}.tmp-"):
+    if set_name.startswith("experts_") and (tag_dir == TAG or tag_dir.startswith(f".{TAG}.tmp-")):
         os._exit(17)
-    return _write_experts(layout, root, state, expert_names)
+    return _write_set(root, set_name, state, names)
 
 
-checkpoint._write_experts = _dying_write_experts
+checkpoint._write_set = _dying_write_set
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,9 +11,9 @@ from glm53_ds.engine import checkpoint  # noqa: E402
 from glm53_ds.training.trainer import main  # noqa: E402
 
 
-def _fresh_optimizer(engine, sets, step, saved_dtypes):  # type: ignore[no-untyped-def]
+def _fresh_optimizer(engine, ckpt, places, saved_dtypes):  # type: ignore[no-untyped-def]
     for access in checkpoint._optimizers(checkpoint._trained(engine)):
-        access.prepare(step)
+        access.prepare(ckpt.optimizer_step)
 
 
 checkpoint._load_portable_optimizer = _fresh_optimizer
