@@ -107,6 +107,8 @@ def run_world(
     """Run `scenario(**kwargs)` on `world` ranks; every rank's result, in rank order.
 
     A rendezvous port taken between choosing and binding it (EADDRINUSE) is retried with a new port."""
+    if not callable(scenario) or scenario.__name__.startswith("test_"):
+        raise TypeError(f"run_world: the scenario is a module-level function (not a test), got {scenario!r}")
     os.makedirs(out_dir, exist_ok=True)
     for _attempt in range(3):
         payloads = _launch(world, (scenario.__module__, scenario.__name__), str(out_dir), timeout, kwargs)

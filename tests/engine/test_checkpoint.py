@@ -353,7 +353,7 @@ def test_a_pickle_in_a_checkpoint_is_refused_and_never_runs(tmp_path):
     )
     assert "is damaged or incomplete: mp_rank_00_model_states.pt has" in error  # its size differs
     # 2. the manifest rewritten too (an attacker who knows the format): weights_only refuses the object
-    safe_io.writeread_manifest_json(
+    safe_io.write_manifest(
         str(tag),
         read_manifest_json(tag)["files"] | safe_io.describe_files(str(tag), ["mp_rank_00_model_states.pt"]),
     )

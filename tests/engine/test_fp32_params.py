@@ -207,9 +207,7 @@ def test_bf16_engine_keeps_hf_fp32_parameters_in_fp32(tmp_path, checkpoints):
     transformers' bf16 model >= 0.9995, HF's attention expression); they train, replicas
     stay identical, checkpoints store them as fp32, and a full load resumes them and their optimizer bitwise."""
     _, calm = checkpoints
-    for r in run_world(
-        4, "bf16_keeps_fp32", tmp_path, ckpt=calm, ep=2, etp=2, save_dir=str(tmp_path / "ckpt")
-    ):
+    for r in run_world(4, bf16_keeps_fp32, tmp_path, ckpt=calm, ep=2, etp=2, save_dir=str(tmp_path / "ckpt")):
         for stage in (2, 0):
             assert r[f"stage{stage}_kept"] >= 30, r
             assert r[f"stage{stage}_kept_fp32_exact"] and r[f"stage{stage}_others_bf16"], r
