@@ -18,13 +18,14 @@ from typing import Any
 import torch
 
 from ..config import Glm53Config
-from ..parallel.expert_shard import ExpertShard, expert_tensor_kind
+from ..parallel.expert_shard import ExpertShard
 from ..safe_io import read_manifest, unlisted_files, verify_files
 from .placement import (
     REPLICATED,
     TensorPlacement,
     copies,
     expert_set_name,
+    expert_split,
     global_shape,
     index_placement,
     placement,
@@ -213,7 +214,7 @@ class CheckpointDir:
     def stored_shape(self, name: str, key: str | None = None, prefix: str = "") -> tuple[int, ...]:
         """The global shape of stored tensor `key` of parameter `name` (from its first stored part)."""
         key = key or name
-        if expert_tensor_kind(name) is None:
+        if expert_split(name) is None:
             return tuple(self.tensor_set(prefix + REPLICATED).shape(key))
         local = tuple(self.tensor_set(prefix + expert_set_name(0, 0)).shape(key))
         return global_shape(name, local, self.saved_shard)
@@ -241,7 +242,7 @@ class CheckpointDir:
         return out if out is not None else torch.zeros(target.local_shape)
 
     def _stored_parts(self, name: str, shape: tuple[int, ...]) -> list[TensorPlacement]:
-        if expert_tensor_kind(name) is None:
+        if expert_split(name) is None:
             return [placement(name, shape, _ANY_SHARD)]
         return stored_placements(name, shape, self.saved_shard)
 

@@ -9,6 +9,10 @@ tensor (start, stop per dimension) and where that box sits in the local tensor. 
     experts.down_proj    [E, D, I]       one block: experts [e0, e1) x all D x this ETP rank's columns
     experts.gate_up_proj [E, 2I, D]      two blocks: its gate rows at local rows [0, I/ETP), its up rows (global
                                          rows I + the same range) at [I/ETP, 2I/ETP)
+    experts.lora.gate_up_B [E, 2I, r]    LoRA adapters (layers/lora.py): as gate_up_proj
+    experts.lora.down_A    [E, r, I]     as down_proj
+    experts.lora.gate_up_A [E, r, D],    experts [e0, e1), the rest whole: every ETP rank of a shard holds them
+    experts.lora.down_B    [E, D, r]     (a stored copy per ETP rank; reads take the first)
 
 Every read is an overlap of two placements (`copies`): a rank loading a checkpoint written at another EP x ETP
 intersects its placement with each stored shard's; a ZeRO rank reading only its fragment of the optimizer state
@@ -23,9 +27,20 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ..parallel.expert_shard import DOWN, GATE_UP, ExpertShard, expert_tensor_kind
+from ..parallel.expert_shard import ExpertShard
 
 REPLICATED = "replicated"
+# grouped expert tensors by name ending, and how their intermediate dimension is split over ETP
+ROWS, COLUMNS, WHOLE = "gate and up rows", "columns", "whole"
+EXPERT_TENSORS = {"experts.gate_up_proj": ROWS, "experts.down_proj": COLUMNS, "experts.lora.gate_up_B": ROWS,
+                  "experts.lora.down_A": COLUMNS, "experts.lora.gate_up_A": WHOLE, "experts.lora.down_B": WHOLE}  # fmt: skip
+
+
+def expert_split(name: str) -> str | None:
+    """How grouped expert tensor `name` is split over ETP (`ROWS`: dim 1, gate then up; `COLUMNS`: dim 2;
+    `WHOLE`: not at all), or None for a replicated tensor."""
+    return next((split for end, split in EXPERT_TENSORS.items() if name.endswith(end)), None)
+
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension, in global coordinates
 Index = tuple[slice, ...]
@@ -106,32 +121,34 @@ def copies(target: TensorPlacement, source: TensorPlacement) -> Iterator[tuple[I
 # ----------------------------------------------------------------------------- the shard rule as boxes
 def global_shape(name: str, local_shape: tuple[int, ...], shard: ExpertShard) -> tuple[int, ...]:
     """The global shape of a tensor `shard` holds with `local_shape`."""
-    kind = expert_tensor_kind(name)
-    if kind is None:
+    split = expert_split(name)
+    if split is None:
         return tuple(local_shape)
-    if kind == DOWN:  # [E/EP, D, I/ETP]
-        return (local_shape[0] * shard.ep, local_shape[1], local_shape[2] * shard.etp)
-    return (local_shape[0] * shard.ep, local_shape[1] * shard.etp, local_shape[2])  # [E/EP, 2I/ETP, D]
+    out = [local_shape[0] * shard.ep, *local_shape[1:]]
+    if split != WHOLE:
+        out[1 if split == ROWS else 2] *= shard.etp
+    return tuple(out)
 
 
 def placement(name: str, shape: tuple[int, ...], shard: ExpertShard) -> TensorPlacement:
     """Where `shard`'s part of tensor `name` (global `shape`) sits: the whole tensor unless it is a grouped expert
     tensor (`ExpertShard`'s rule)."""
     shape = tuple(shape)
-    kind = expert_tensor_kind(name)
-    if kind is None:
+    split = expert_split(name)
+    if split is None:
         whole = Block(tuple((0, n) for n in shape), (0,) * len(shape))
         return TensorPlacement(name, shape, shape, (whole,), REPLICATED)
     experts = (shard.first_expert, shard.first_expert + shard.num_local)
     rows, inner = (shard.rows.start, shard.rows.stop), shard.local_intermediate
     stored = expert_set_name(shard.ep_rank, shard.etp_rank)
-    if kind == DOWN:
+    if split == WHOLE:
+        box = (experts, *((0, n) for n in shape[1:]))
+        return TensorPlacement(name, shape, (shard.num_local, *shape[1:]), (Block(box, (0, 0, 0)),), stored)
+    if split == COLUMNS:
         box = (experts, (0, shape[1]), rows)
         return TensorPlacement(
             name, shape, (shard.num_local, shape[1], inner), (Block(box, (0, 0, 0)),), stored
         )
-    if kind != GATE_UP:
-        raise ValueError(f"unknown expert tensor kind {kind!r}")
     half = shape[1] // 2
     gate = Block((experts, rows, (0, shape[2])), (0, 0, 0))
     up = Block((experts, (half + rows[0], half + rows[1]), (0, shape[2])), (0, inner, 0))
@@ -140,10 +157,11 @@ def placement(name: str, shape: tuple[int, ...], shard: ExpertShard) -> TensorPl
 
 def stored_placements(name: str, shape: tuple[int, ...], saved: ExpertShard) -> list[TensorPlacement]:
     """The placements of every stored part of tensor `name` in a checkpoint written at `saved`'s layout: one for
-    a replicated tensor, one per EP x ETP shard for a grouped expert tensor."""
-    if expert_tensor_kind(name) is None:
+    a replicated tensor, one per EP x ETP shard for a grouped expert tensor (of an ETP-whole one, ETP rank 0's)."""
+    split = expert_split(name)
+    if split is None:
         return [placement(name, shape, saved)]
-    return [placement(name, shape, s) for s in saved.all_shards()]
+    return [placement(name, shape, s) for s in saved.all_shards() if split != WHOLE or s.etp_rank == 0]
 
 
 def index_placement(name: str, shape: tuple[int, ...], index: tuple[int | slice, ...]) -> TensorPlacement:

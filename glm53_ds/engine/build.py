@@ -93,7 +93,9 @@ def prepare_model(model: nn.Module, layout: ParallelLayout) -> None:
     for p in model.parameters():
         if is_expert_param(p):
             p.group_name = layout.expert_group_name  # type: ignore[attr-defined]
-            p.tensor_model_parallel = layout.etp > 1  # type: ignore[attr-defined]
+            # an expert LoRA adapter whole on every ETP rank (layers/lora.py) is counted once, not per slice
+            etp_whole = getattr(p, "etp_replicated", False)
+            p.tensor_model_parallel = layout.etp > 1 and not etp_whole  # type: ignore[attr-defined]
         elif getattr(p, "tensor_model_parallel", False):
             p.tensor_model_parallel = False  # type: ignore[attr-defined]
     for module in model.modules():

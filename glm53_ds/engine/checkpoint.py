@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -49,6 +49,7 @@ from ..checkpoint import (
 from ..checkpoint.publish import from_rank0, gather
 from ..config import Glm53Config
 from ..convert.export_hf import native_to_hf
+from ..layers.lora import merged_state_dict
 from ..safe_io import new_temp_dir
 from .deepspeed_internals import (
     ADAM_MOMENTS,
@@ -237,15 +238,17 @@ def check_checkpoint_fits(
 
 
 def load_checkpoint(
-    engine: Glm53Engine, load_dir: str, tag: str | None = None, verify: bool = True, model_only: bool = False
-) -> dict:
+    engine: Glm53Engine, load_dir: str, tag: str | None = None, verify: bool = True, model_only: bool = False,
+    keep: Callable[[str], bool] | None = None,
+) -> dict:  # fmt: skip
     """Restore the model and, unless model-only, the optimizer and client state; returns the client state.
 
     At the layout that saved it (world size, EP, ETP, SP, ZeRO stage, dtype: `layout_record`) DeepSpeed restores its
     own partitions (bitwise). At another layout the layout-free state is used instead: each rank reads its
     placement of every model tensor (expert shards regathered for its EP x ETP shard), and of every trained tensor's
     fp32 master and Adam moments (under ZeRO only the rows of its fragment), and the step; the client state comes
-    from glm53's own file. `model_only=True` loads the weights only (fresh optimizer state, step 0).
+    from glm53's own file. `model_only=True` loads the weights only (fresh optimizer state, step 0); `keep`: tensors
+    of the model the checkpoint may lack, kept as they are (a LoRA run's fresh adapters over a base checkpoint).
     `verify=False` only when `verify_checkpoint` already checked this tag."""
     tag = verify_checkpoint(load_dir, tag) if verify else (tag or latest_tag(load_dir))
     ckpt = CheckpointDir(load_dir, tag)
@@ -271,6 +274,8 @@ def load_checkpoint(
     places = model_placements(engine)
     current = engine.module.state_dict()
     stored = ckpt.keys()
+    if keep is not None:
+        places = {n: p for n, p in places.items() if n in stored or not keep(n)}
     missing, unexpected = sorted(set(places) - stored), sorted(stored - set(places))
     if missing or unexpected:
         raise CheckpointError(
@@ -337,17 +342,38 @@ def _load_portable_optimizer(
         access.set(tensor, values)
 
 
+def save_merged_model(engine: Glm53Engine, save_dir: str, tag: str) -> str:
+    """A model-only checkpoint of the running model as `<save_dir>/<tag>` (the layout a conversion writes: model
+    sets and layout.json, published whole), LoRA adapters merged into their weights (`merged_state_dict`), no
+    optimizer state; what an export converts. Collective; returns the tag directory."""
+    layout = engine.layout
+    staged = StagedTag.begin(save_dir, tag)
+    root = staged.model_dir
+    os.makedirs(root, exist_ok=True)
+    state = merged_state_dict(engine.module)
+    places = {n: p for n, p in model_placements(engine).items() if n in state}
+    own = expert_set_name(layout.ep_rank, layout.etp_rank)
+    if layout.rank == 0:
+        _write_set(root, REPLICATED, state, [n for n, p in places.items() if p.stored_set == REPLICATED])
+        write_layout(root, dict(engine_layout_record(engine), model_only=True,
+                                config=engine.module.glm.to_text_dict()))  # fmt: skip
+    if dist.get_rank(layout.expert_dp_group) == 0:
+        _write_set(root, own, state, sorted(n for n, p in places.items() if p.stored_set == own))
+    return staged.publish()
+
+
 def export_engine_to_hf(
     engine: Glm53Engine, cfg: Glm53Config, out_dir: str, template: str | None = None, force: bool = False,
     tokenizer: str | None = None,
 ) -> None:  # fmt: skip
-    """From a running job: save a checkpoint into a fresh temporary directory beside `out_dir`, then rank 0
+    """From a running job: save the model (LoRA adapters merged: `save_merged_model`) into a fresh temporary
+    directory beside `out_dir`, then rank 0
     converts it (`native_to_hf`: the output appears whole; with `force` into an existing directory, only the files
     the export writes are replaced) and removes the temporary directory it created. `tokenizer`: "bytes" or the
     tokenizer directory the export carries (`native_to_hf`). Collective."""
     work = from_rank0(new_temp_dir(f"{out_dir.rstrip('/')}.native") if dist.get_rank() == 0 else None)
     try:
-        tag_dir = save_checkpoint(engine, work, "export")
+        tag_dir = save_merged_model(engine, work, "export")
         if dist.get_rank() == 0:
             config_json = os.path.join(template, "config.json") if template else None
             native_to_hf(tag_dir, out_dir, hf_template=template, force=force, config_json=config_json,

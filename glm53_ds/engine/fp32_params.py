@@ -14,6 +14,8 @@ flattens it into ZeRO's buffers (it keeps only buffers in fp32), so `Fp32Params`
     updated by an fp32 optimizer of the same type and hyperparameters (built by the same factory, so the same
     weight-decay rule; the learning rate is set with the rest by `set_learning_rate`);
   - its optimizer state is saved and resumed with the checkpoint (`state_dict` / `load_state_dict`).
+A frozen one (a LoRA run's base: `requires_grad=False` when the engine is built) becomes an fp32 buffer the same
+way and stays out of everything else: no gradient, no optimizer state (`frozen`).
 Nothing here imports DeepSpeed; the hooks into its optimizers live in `deepspeed_internals.py`.
 """
 
@@ -38,6 +40,9 @@ class Fp32Params:
         """Turn the fp32-kept parameters of `model` into fp32 buffers (before the engine is built)."""
         self.slots: list[tuple[str, nn.Module, str]] = []
         modules = dict(model.named_modules())
+        self.frozen: list[
+            str
+        ] = []  # kept in fp32 too, but not trained (a LoRA run's base): no optimizer state
         for name in fp32_kept_names(model):
             owner_name, _, attr = name.rpartition(".")
             owner = modules[owner_name]
@@ -45,7 +50,10 @@ class Fp32Params:
             assert param is not None
             # no grad while DeepSpeed initialises (it may move or broadcast module tensors); `finish` re-enables it
             owner.register_buffer(attr, param.detach().float().clone(), persistent=True)
-            self.slots.append((name, owner, attr))
+            if param.requires_grad:
+                self.slots.append((name, owner, attr))
+            else:
+                self.frozen.append(name)
         self.optimizer: torch.optim.Optimizer | None = None
         self.sequence_parallel = 1  # SP shards of one sample: their gradients add up (set from the layout)
         self._square_norm: torch.Tensor | None = None

@@ -37,6 +37,7 @@ from .documents import Documents
 from .dsa_indexer import DsaIndexer, Pools, Selection, kl_loss
 from .forward_record import current_record
 from .linear import ColumnLinear, RowLinear
+from .lora import merged_weight
 from .norm import RMSNorm
 from .sparse_attention import (
     absorb_query,
@@ -278,9 +279,12 @@ class SparseMLA(nn.Module):
 
         impl = backends.resolve(backends.ATTENTION, self.attention_impl, x.device)
         dropout = self.attention_dropout if self.training else 0.0
-        w_uk, w_uv = self.kv_b_proj.weight.view(
-            self.num_heads, self.qk_head_dim + self.v_head_dim, self.kv_lora_rank
-        ).split([self.qk_head_dim, self.v_head_dim], dim=1)  # [H, dq, R], [H, dv, R]
+        # the absorbed form reads kv_b_proj as a weight: with a LoRA adapter, W + s B A (differentiable)
+        w_uk, w_uv = (
+            merged_weight(self.kv_b_proj)
+            .view(self.num_heads, self.qk_head_dim + self.v_head_dim, self.kv_lora_rank)
+            .split([self.qk_head_dim, self.v_head_dim], dim=1)
+        )  # [H, dq, R], [H, dv, R]
         q_lat = None
         if impl in ("dense", "eager"):
             out = self._dense(q, latent, topk, bounds, dropout, impl, blind_possible)  # [b, S, h, dv]

@@ -6,6 +6,8 @@
   gradients of each rank's rows over the group (reduce-scatter) and multiplies by `grad_scale`.
 - `reduce_rows(x, counts, group, grad_scale)`: the inverse: rows laid out as `gather_rows` produced them are
   summed over the group and each rank keeps its own; backward gathers the gradients, times `grad_scale`.
+- `sum_grad_over(t, group)`: `t` itself; backward sums its gradient over the group (a tensor every rank of the
+  group holds whole, whose gradient each rank sees only its share of).
 gloo has no reduce-scatter, so there an all-reduce plus a slice stands in (same result, more traffic).
 """
 
@@ -127,3 +129,22 @@ def reduce_rows(
     if len(counts) == 1:
         return x
     return _ReduceRows.apply(x, counts, group, grad_scale)
+
+
+class _SumGradOver(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sum_grad_over(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    if dist.get_world_size(group) == 1:
+        return t
+    return _SumGradOver.apply(t, group)

@@ -32,6 +32,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "attention (DeepSeek-V3.2), weighted by this; 0 keeps them frozen, as the LM loss gives them no "
                    "gradient (docs/indexer_loss.md)")  # fmt: skip
 
+    f = p.add_argument_group("fine-tuning")
+    f.add_argument("--lora-rank", type=int, help="LoRA adapters of this rank on --lora-targets, the base frozen "
+                   "(its router bias too: --router-bias-update-rate defaults to 0) (0: full fine-tuning)")  # fmt: skip
+    f.add_argument(
+        "--lora-alpha", type=float, help="the adapters' scale is alpha / rank (default: alpha = rank)"
+    )
+    f.add_argument("--lora-dropout", type=float, help="dropout on the adapters' input")
+    f.add_argument("--lora-targets", help="comma-separated: mla, kda, mlp, shared_expert, experts")
+    f.add_argument("--trainable", help="regex of parameter names (native) that train; with LoRA besides the "
+                   "adapters (e.g. 'indexer' with --indexer-loss-coef: an indexer-only warm-up)")  # fmt: skip
+    f.add_argument("--freeze", help="regex of parameter names that stay frozen (applied last)")
+
     par = p.add_argument_group("parallelism")
     par.add_argument("--ep", type=int, help="expert parallel size")
     par.add_argument("--etp", type=int, help="expert tensor parallel size")

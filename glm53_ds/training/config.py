@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from ..checkpoint import CheckpointDir
 from ..config import Glm53Config
+from ..layers.lora import LORA_TARGETS, LoraSpec
 from ..safe_io import OutputPathError, check_output_dir, published_tags
 from ..transformer_config import FULL_RECOMPUTE_LOSSES
 from .packing import LONG_DOCUMENTS
@@ -45,6 +46,13 @@ class TrainConfig:
     loss_chunk_mib: int = (
         256  # the LM / MTP head's chunk of fp32 logits (layers/chunked_ce.py); 0 = materialised
     )
+    # fine-tuning: LoRA adapters and which parameters train
+    lora_rank: int = 0  # > 0: LoRA adapters of this rank on --lora-targets; the base frozen
+    lora_alpha: float | None = None  # the adapters' scale is alpha / rank; None: alpha = rank
+    lora_dropout: float = 0.0
+    lora_targets: str = ",".join(LORA_TARGETS)
+    trainable: str | None = None  # regex of native names that train (with LoRA: besides the adapters)
+    freeze: str | None = None  # regex of native names that stay frozen (applied last)
     # parallelism
     ep: int = 1
     etp: int = 1
@@ -114,7 +122,12 @@ class TrainConfig:
         # defaults that follow the model, whichever route it came by (--hf-dir, --model-config, --load)
         _, name = resolve_model(config.hf_dir, config.model_config, config.load, config.load_tag)
         if "router_bias_update_rate" not in given:
-            rate = PRESET_ROUTER_BIAS_UPDATE_RATE.get(name, DEFAULT_ROUTER_BIAS_UPDATE_RATE)
+            # LoRA keeps the base as it is, the router's correction bias included (it is part of the base)
+            rate = (
+                PRESET_ROUTER_BIAS_UPDATE_RATE.get(name, DEFAULT_ROUTER_BIAS_UPDATE_RATE)
+                if not config.lora_rank
+                else 0.0
+            )
             config = dataclasses.replace(config, router_bias_update_rate=rate)
         if "output_dir" not in given:
             config = dataclasses.replace(config, output_dir=os.path.join("runs", name))
@@ -156,6 +169,31 @@ class TrainConfig:
                 raise SetupError(
                     f"--no-decay-pattern {self.no_decay_pattern!r}: not a regular expression ({e})"
                 ) from e
+        for option, pattern in (("--trainable", self.trainable), ("--freeze", self.freeze)):
+            if pattern is not None:
+                try:
+                    re.compile(pattern)
+                except re.error as e:
+                    raise SetupError(f"{option} {pattern!r}: not a regular expression ({e})") from e
+        if self.lora_rank < 0:
+            raise SetupError(f"--lora-rank must be >= 0 (0: no LoRA), got {self.lora_rank}")
+        if self.lora_rank == 0:
+            given = [f"--{n.replace('_', '-')}" for n in ("lora_alpha", "lora_dropout", "lora_targets")
+                     if getattr(self, n) != TrainConfig.__dataclass_fields__[n].default]  # fmt: skip
+            if given:
+                raise SetupError(
+                    f"{', '.join(given)} without --lora-rank: give --lora-rank R for LoRA adapters"
+                )
+        else:
+            try:
+                self.lora_spec()
+            except ValueError as e:
+                raise SetupError(f"--lora-rank / --lora-alpha / --lora-dropout / --lora-targets: {e}") from e
+            if self.etp > 1:
+                raise SetupError(
+                    f"--lora-rank with --etp {self.etp}: LoRA adapters under expert tensor parallelism are not "
+                    "supported yet (use --etp 1; EP, SP and data parallelism compose with LoRA)"
+                )
         if self.long_documents not in LONG_DOCUMENTS:
             raise SetupError(f"--long-documents must be one of {LONG_DOCUMENTS}, got {self.long_documents!r}")
         if self.recompute not in RECOMPUTE:
@@ -185,6 +223,16 @@ class TrainConfig:
                 raise SetupError(f"--load {self.load!r}: no checkpoint there (the file 'latest' is missing)")
         if self.deepspeed_config and not os.path.isfile(self.deepspeed_config):
             raise SetupError(f"--deepspeed_config {self.deepspeed_config!r}: no such file")
+
+    def lora_spec(self) -> LoraSpec | None:
+        """The LoRA adapters the run trains (None: no LoRA); a ValueError names a bad value."""
+        if self.lora_rank == 0:
+            return None
+        targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+        alpha = float(self.lora_rank) if self.lora_alpha is None else self.lora_alpha
+        return LoraSpec(
+            rank=self.lora_rank, alpha=alpha, dropout=self.lora_dropout, targets=targets, seed=self.seed
+        )
 
     def check_output_paths(self) -> None:
         """Where this run writes, checked before any work (safe_io.check_output_dir): nothing it writes may land

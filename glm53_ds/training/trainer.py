@@ -39,6 +39,8 @@ from ..engine import (
     save_checkpoint,
 )
 from ..hf_loader import SafetensorsCheckpoint, checkpoint_has_mtp, load_hf_state_into
+from ..layers.lora import LoraSpec, is_lora_param
+from ..layers.lora_targets import apply_lora
 from ..layers.moe import update_router_bias
 from ..model import Glm53Model, LossParts
 from ..parallel.layout import ParallelLayout, init_layout, validate_layout
@@ -50,6 +52,7 @@ from .config import SetupError, TrainConfig, resolve_model
 from .data import SampleStream, load_tokenizer, open_stream
 from .metrics import MetricsWriter, StepMetrics, plot_loss
 from .packing import Batch, PackedRowStream
+from .trainable import select_trainable
 
 __all__ = ["SetupError", "Trainer", "TrainingStopped", "main"]
 
@@ -224,6 +227,7 @@ class Trainer:
         self.stream: SampleStream | PackedRowStream | None = None
         self.start_step = 0
         self.load_tag: str | None = None  # --load's tag, verified in setup()
+        self.base_only = False  # a LoRA run whose --load holds no adapters: its weights are the base
         self._plan: RunPlan | None = None  # set in setup()
         self.consumed = 0  # samples of the run read so far (the data position checkpoints store)
         self.last_saved: str | None = None
@@ -264,6 +268,7 @@ class Trainer:
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         if c.load:  # the whole tag checked before anything of it is read
             self.load_tag = _or_setup_error(lambda: verify_checkpoint(c.load, c.load_tag), alike=True)
+            self.base_only = _or_setup_error(self._lora_against_load, alike=True)
         saved_batch = self._saved_global_batch()
 
         def check_layout() -> None:  # the same inputs on every rank: a failure is every rank's
@@ -301,7 +306,8 @@ class Trainer:
             c.load
         ):  # another model config, or another layout without layout-free state: refused before any work
             here = layout_record(self.world, c.ep, c.etp, c.sp, self.plan.zero_stage, self.plan.bf16)
-            agreed(lambda: check_checkpoint_fits(c.load, str(self.load_tag), cfg, here, c.load_model_only))
+            weights_only = c.load_model_only or self.base_only
+            agreed(lambda: check_checkpoint_fits(c.load, str(self.load_tag), cfg, here, weights_only))
 
         self.layout = init_layout(c.ep, c.etp, cfg, sp=c.sp)
         self._engine = build_engine(self._build_model(), self.plan.ds_config, optimizer=self._adamw, layout=self.layout,
@@ -312,8 +318,12 @@ class Trainer:
                 file=sys.stderr,
             )
         if c.load:
+            keep = (
+                is_lora_param if self.base_only else None
+            )  # the adapters start fresh over a base checkpoint
             client = _or_setup_error(lambda: load_checkpoint(self.engine, c.load, tag=self.load_tag, verify=False,
-                                                             model_only=c.load_model_only))  # fmt: skip
+                                                             model_only=c.load_model_only or self.base_only,
+                                                             keep=keep))  # fmt: skip
             self._resume(client)
         if self.rank == 0:
             self.writer = MetricsWriter(
@@ -327,7 +337,7 @@ class Trainer:
         keeps unless --global-batch-size gives another (announced in one line). Checkpoints saved before it was
         recorded: consumed samples / steps."""
         c = self.config
-        if not c.load or c.load_model_only:
+        if not c.load or c.load_model_only or self.base_only:
             return None
         client = _or_setup_error(lambda: read_client_state(c.load, str(self.load_tag)), alike=True)
         step, consumed = int(client.get("step", 0)), int(client.get("consumed_samples", 0))
@@ -339,6 +349,24 @@ class Trainer:
                   f"step; this run continues with {c.global_batch_size}", file=sys.stderr)  # fmt: skip
         return int(saved) if saved else None
 
+    def _lora_against_load(self) -> bool:
+        """Whether --load gives a LoRA run its base only (a checkpoint without adapters: fresh adapters, optimizer
+        state and step 0). A checkpoint holding adapters resumes only with the same ones (rank, alpha, dropout,
+        targets): anything else would silently change the experiment, so it is refused, naming both."""
+        c = self.config
+        mine = lora_record(c.lora_spec())
+        held = any(is_lora_param(k) for k in CheckpointDir(c.load or "", str(self.load_tag)).keys())
+        if not held:
+            return mine is not None
+        stored = read_client_state(c.load or "", str(self.load_tag)).get("lora")
+        if stored != mine:
+            raise SetupError(
+                f"--load {c.load}: the checkpoint holds LoRA adapters ({_describe_lora(stored)}); this run asks for "
+                f"{_describe_lora(mine)}. Give the same --lora-rank / --lora-alpha / --lora-dropout / --lora-targets "
+                "to resume it, or export it merged (--export-hf) and start from that"
+            )
+        return False
+
     def _resume(self, client: dict[str, Any]) -> None:
         """Step, data position (consumed samples), RNG from a training checkpoint; a converted (model-only) one
         starts at step 0. A checkpoint whose sample order differs from this run's is refused: resuming it would
@@ -347,7 +375,9 @@ class Trainer:
         self.start_step = int(client.get("step", 0))
         where = os.path.join(self.config.load or "", str(self.load_tag))
         if self.start_step == 0:
-            self._say(f"loaded the weights of {where} (fresh optimizer state, step 0, data from the start)")
+            what = "the base weights" if self.base_only else "the weights"
+            fresh = "fresh LoRA adapters, " if self.base_only else ""
+            self._say(f"loaded {what} of {where} ({fresh}fresh optimizer state, step 0, data from the start)")
             return
         if "consumed_samples" not in client:
             raise SetupError(f"--load {self.config.load}: the checkpoint does not record its data position "
@@ -394,6 +424,12 @@ class Trainer:
         model = Glm53Model(tconfig, mtp=use_mtp, pg_collection=self.layout.pg_collection)
         if checkpoint is not None:
             load_hf_state_into(model, checkpoint, mtp=use_mtp)  # each rank reads only its expert shard
+        spec = c.lora_spec()
+        if spec is not None:  # the same initial adapters on every rank and at every layout
+            apply_lora(model, spec, etp_group=self.layout.etp_group if c.etp > 1 else None)
+        if spec is not None or c.trainable or c.freeze:
+            said = select_trainable(model, spec is not None, c.trainable, c.freeze, c.indexer_loss_coef > 0)
+            self._say(said)
         return model
 
     def _adamw(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
@@ -506,7 +542,8 @@ class Trainer:
         assert self.layout is not None and self.stream is not None and self.config.save
         check_replicas(self.engine.module, self.layout)
         client = {"step": step, "consumed_samples": self.consumed, "global_batch_size": self.plan.global_batch,
-                  "data": self.stream.identity, "rng": torch.get_rng_state()}  # fmt: skip
+                  "data": self.stream.identity, "rng": torch.get_rng_state(),
+                  "lora": lora_record(self.config.lora_spec())}  # fmt: skip
         try:
             self.last_saved = save_checkpoint(
                 self.engine, self.config.save, f"step{step}", client_state=client
@@ -617,3 +654,17 @@ def main(argv: list[str] | None = None) -> int:
         if trainer is not None:
             trainer.close()
         close_distributed()
+
+
+def lora_record(spec: LoraSpec | None) -> dict[str, Any] | None:
+    """What a checkpoint records of a run's LoRA adapters (their initial seed aside), None without."""
+    if spec is None:
+        return None
+    return dict(rank=spec.rank, alpha=spec.alpha, dropout=spec.dropout, targets=list(spec.targets))
+
+
+def _describe_lora(record: dict[str, Any] | None) -> str:
+    if record is None:
+        return "no LoRA adapters"
+    return (f"rank {record['rank']}, alpha {record['alpha']:g}, dropout {record['dropout']:g}, targets "
+            f"{','.join(record['targets'])}")  # fmt: skip

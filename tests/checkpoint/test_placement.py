@@ -107,3 +107,38 @@ def test_released_tensor_boxes():
     assert torch.equal(assemble(box, [(placement("x", (6, 3), ExpertShard(E, INNER)), dense)]), dense[:3])
     with pytest.raises(ValueError, match="has a step"):
         index_placement("x", (6, 3), (slice(0, 6, 2),))
+
+
+def _lora_part(kind: str, whole: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
+    """A shard's part of a grouped LoRA tensor by the adapters' rule (layers/lora.py)."""
+    experts = slice(shard.first_expert, shard.first_expert + shard.num_local)
+    if kind == "gate_up_B":
+        return shard.shard(GATE_UP, whole)
+    if kind == "down_A":
+        return shard.shard(DOWN, whole)
+    return whole[experts]  # gate_up_A, down_B: whole on every ETP rank
+
+
+@pytest.mark.parametrize("stored_ep, stored_etp", [(1, 1), (2, 3), (4, 2)])
+def test_expert_adapters_read_at_any_layout(stored_ep, stored_etp):
+    r = 4
+    g = torch.Generator().manual_seed(1)
+    shapes = {
+        "gate_up_A": (E, r, D),
+        "gate_up_B": (E, 2 * INNER, r),
+        "down_A": (E, r, INNER),
+        "down_B": (E, D, r),
+    }
+    stored = ExpertShard(E, INNER, stored_ep, 0, stored_etp, 0)
+    for kind, shape in shapes.items():
+        name, whole = f"decoder.layers.1.mlp.experts.lora.{kind}", torch.randn(shape, generator=g)
+        sources = stored_placements(name, shape, stored)
+        # an ETP-whole tensor is read from ETP rank 0's copy only
+        assert len(sources) == stored_ep * (1 if kind in ("gate_up_A", "down_B") else stored_etp)
+        parts = [(p, _lora_part(kind, whole, stored.at(int(p.stored_set[10:13]), int(p.stored_set[17:20]))))
+                 for p in sources]  # fmt: skip
+        for shard in ExpertShard(E, INNER, 2, 0, 2, 0).all_shards():
+            target = placement(name, shape, shard)
+            assert target.local_shape == tuple(_lora_part(kind, whole, shard).shape)
+            assert torch.equal(assemble(target, parts), _lora_part(kind, whole, shard)), (kind, shard)
+            assert global_shape(name, target.local_shape, shard) == shape

@@ -18,6 +18,9 @@ Backends (`moe_impl`, glm53_ds/backends.py):
     weights indexed per expert. Kept for parity and for the benchmark; its backward zero-fills a full-size
     gradient per expert (`SelectBackward`), O(E² I D) memory traffic.
   - `auto`: grouped when the sizes are aligned for the dtype, else loop.
+With LoRA adapters (`self.lora`, `layers/lora.py`) the grouped path runs each projection as its own grouped GEMM
+(`_GroupedLinear`) plus the adapter's two (its rank a multiple of the alignment step too), and the loop path adds
+each expert's adapter output; without them nothing changes.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from torch import nn
 from ... import backends
 from ...parallel.expert_shard import ExpertShard
 from ...transformer_config import Glm53TransformerConfig
+from ..lora import GroupedLora
 from .token_permutation import RoutedTokens
 
 
@@ -92,6 +96,30 @@ class _GroupedSwiGLU(torch.autograd.Function):
         return d_rows, d_gate_up, d_down, None, None
 
 
+class _GroupedLinear(torch.autograd.Function):
+    """rows [N, in] sorted by expert, weight [E, out, in], offs int32 [E] -> rows through their expert's weight
+    [N, out]; the weight's gradient only when it needs one (a frozen base weight has none)."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows, weight, offs)
+        return torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        rows, weight, offs = ctx.saved_tensors
+        grad = grad.contiguous()
+        d_rows = torch._grouped_mm(grad, weight, offs=offs) if ctx.needs_input_grad[0] else None  # [N, in]
+        d_weight = (
+            torch._grouped_mm(grad.t(), rows, offs=offs) if ctx.needs_input_grad[1] else None
+        )  # [E, out, in]
+        return d_rows, d_weight, None
+
+
+def _grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return _GroupedLinear.apply(rows.contiguous(), weight, offs)
+
+
 def grouped_mm_step(dtype: torch.dtype) -> int:
     """The grouped GEMM's 16-byte stride rule in elements of `dtype`: row sizes must be multiples of it."""
     return 16 // dtype.itemsize
@@ -118,19 +146,23 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.down_proj, mean=0.0, std=cfg.initializer_range)
         self.gate_up_proj.allreduce = False  # type: ignore[attr-defined]
         self.down_proj.allreduce = False  # type: ignore[attr-defined]
+        self.lora: GroupedLora | None = None  # LoRA adapters (`layers/lora_targets.py`)
 
     def impl(self, dtype: torch.dtype) -> str:
         """The backend `moe_impl` means for activations of `dtype`."""
         step = grouped_mm_step(dtype)
-        aligned = self.gate_up_proj.shape[-1] % step == 0 and self.intermediate % step == 0
+        sizes = [self.gate_up_proj.shape[-1], self.intermediate] + (
+            [self.lora.gate_up_A.shape[1]] if self.lora else []
+        )
+        aligned = all(n % step == 0 for n in sizes)
         impl = backends.check(backends.MOE, self.moe_impl)
         if impl == "auto":
             return "grouped" if aligned else "loop"
         if impl == "grouped" and not aligned:
             raise ValueError(
-                f"moe_impl='grouped': the grouped GEMM needs hidden_size ({self.gate_up_proj.shape[-1]}) and the "
-                f"local moe_intermediate_size ({self.intermediate}) to be multiples of {step} in {dtype}; use "
-                "moe_impl='loop' or 'auto'"
+                f"moe_impl='grouped': the grouped GEMM needs hidden_size ({self.gate_up_proj.shape[-1]}), the "
+                f"local moe_intermediate_size ({self.intermediate}) and a LoRA rank to be multiples of {step} in "
+                f"{dtype}; use moe_impl='loop' or 'auto'"
             )
         return impl
 
@@ -140,17 +172,34 @@ class GroupedExperts(nn.Module):
         if self.impl(rows.dtype) == "loop":
             return self._loop(rows, counts)
         offs = counts.cumsum(0).to(torch.int32)
+        if self.lora is not None:
+            return self._grouped_with_lora(rows, offs, self.lora)
         return _GroupedSwiGLU.apply(
             rows.contiguous(), self.gate_up_proj, self.down_proj, offs, self.swiglu_limit
         )
 
+    def _grouped_with_lora(self, rows: torch.Tensor, offs: torch.Tensor, lora: GroupedLora) -> torch.Tensor:
+        """`ffn` with adapters: W x + s B A x for gate_up and for down, each a grouped GEMM."""
+        s = lora.scale
+        gate_up_a, down_b = lora.replicated(lora.gate_up_A), lora.replicated(lora.down_B)
+        h = _grouped_linear(rows, self.gate_up_proj, offs)  # [N, 2I_l]
+        h = h + s * _grouped_linear(_grouped_linear(lora.drop(rows), gate_up_a, offs), lora.gate_up_B, offs)
+        act = _clamped_swiglu(h, self.swiglu_limit)  # [N, I_l]
+        out = _grouped_linear(act, self.down_proj, offs)  # [N, D]
+        return out + s * _grouped_linear(_grouped_linear(lora.drop(act), lora.down_A, offs), down_b, offs)
+
     def expert_ffn(self, local_expert: int, x: torch.Tensor) -> torch.Tensor:
         """The reference: one expert's (slice of its) FFN on its tokens x [n, D] -> [n, D]."""
-        gate, up = F.linear(x, self.gate_up_proj[local_expert]).chunk(2, dim=-1)
+        h = F.linear(x, self.gate_up_proj[local_expert])
+        if self.lora is not None:
+            h = h + self.lora.expert_delta("gate_up", local_expert, x)
+        gate, up = h.chunk(2, dim=-1)
         if self.swiglu_limit is not None:
             gate = gate.clamp(max=self.swiglu_limit)
             up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
-        return F.linear(F.silu(gate) * up, self.down_proj[local_expert])
+        act = F.silu(gate) * up
+        out = F.linear(act, self.down_proj[local_expert])
+        return out if self.lora is None else out + self.lora.expert_delta("down", local_expert, act)
 
     def _loop(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         chunks = torch.split(rows, counts.tolist())

@@ -1,0 +1,46 @@
+"""Which parameters a run trains: full fine-tuning, LoRA (the adapters only), or the names a pattern picks.
+
+In order: with LoRA every parameter but the adapters is frozen; `--trainable REGEX` makes the matching native names
+train (without LoRA: only those); `--freeze REGEX` freezes the matching ones, last. The DSA indexer trains only
+by its own loss (`--indexer-loss-coef > 0`; the LM loss gives it no gradient through its discrete selection), so it
+stays frozen without it whatever the patterns say. Frozen parameters (`requires_grad=False`) are out of the
+optimizer, ZeRO's buffers and the gradient norm, with no fp32 copy (`engine/build.py`, `engine/fp32_params.py`).
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from ..layers.lora import is_lora_param
+
+
+def select_trainable(
+    model: nn.Module, lora: bool, trainable: str | None, freeze: str | None, train_indexer: bool
+) -> str:
+    """Set `requires_grad` on every parameter by the rule above; returns one line saying what trains."""
+    for name, p in model.named_parameters():
+        train = is_lora_param(name) if lora else trainable is None
+        if trainable is not None and re.search(trainable, name):
+            train = True
+        if freeze is not None and re.search(freeze, name):
+            train = False
+        if ".indexer." in name and not train_indexer:
+            train = False
+        p.requires_grad_(train)
+    params = list(model.named_parameters())
+    trained = [(n, p) for n, p in params if p.requires_grad]
+    adapters = [p for n, p in trained if is_lora_param(n)]
+    frozen = sum(p.numel() for _, p in params if not p.requires_grad)
+    what = (
+        f"LoRA adapters: {len(adapters)} tensors ({sum(p.numel() for p in adapters):,} parameters)"
+        if lora
+        else ""
+    )
+    others = [p for n, p in trained if not is_lora_param(n)]
+    if others or not lora:
+        what += (
+            "; " if what else ""
+        ) + f"{len(others)} other tensors ({sum(p.numel() for p in others):,} parameters)"
+    return f"trains {what}; frozen {frozen:,} parameters"
