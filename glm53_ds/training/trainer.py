@@ -318,9 +318,8 @@ class Trainer:
                 file=sys.stderr,
             )
         if c.load:
-            keep = (
-                is_lora_param if self.base_only else None
-            )  # the adapters start fresh over a base checkpoint
+            # over a base checkpoint (no adapters in it) the adapters start fresh
+            keep = is_lora_param if self.base_only else None
             client = _or_setup_error(lambda: load_checkpoint(self.engine, c.load, tag=self.load_tag, verify=False,
                                                              model_only=c.load_model_only or self.base_only,
                                                              keep=keep))  # fmt: skip
