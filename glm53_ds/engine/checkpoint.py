@@ -87,18 +87,21 @@ def model_placements(engine: Glm53Engine) -> dict[str, TensorPlacement]:
 
 
 def _write_model(
-    engine: Glm53Engine, root: str, places: dict[str, TensorPlacement], meta: dict[str, Any]
-) -> None:
-    """The model's sets: global rank 0 the replicated one (and layout.json), each expert shard's expert-data-parallel
-    rank 0 that shard, every tensor into the set its placement names."""
-    layout, state = engine.layout, engine.module.state_dict()
+    engine: Glm53Engine, root: str, state: dict[str, torch.Tensor], places: dict[str, TensorPlacement],
+    meta: dict[str, Any],
+) -> None:  # fmt: skip
+    """The model's sets from `state`: global rank 0 the replicated one (and layout.json, `meta` plus the config),
+    each expert shard's expert-data-parallel rank 0 that shard, every tensor into the set its placement names."""
+    layout = engine.layout
     own = expert_set_name(layout.ep_rank, layout.etp_rank)
     if layout.rank == 0:  # in the state dict's order
-        _write_set(root, REPLICATED, state, [n for n, p in places.items() if p.stored_set == REPLICATED])
+        _write_set(
+            root, REPLICATED, state, [n for n in state if n in places and places[n].stored_set == REPLICATED]
+        )
     if dist.get_rank(layout.expert_dp_group) == 0:  # an expert-less model writes an empty set
-        _write_set(root, own, state, sorted(n for n, p in places.items() if p.stored_set == own))
+        _write_set(root, own, state, sorted(n for n in state if n in places and places[n].stored_set == own))
     if layout.rank == 0:
-        write_layout(root, dict(meta, model_only=False, config=engine.module.glm.to_text_dict()))
+        write_layout(root, dict(meta, config=engine.module.glm.to_text_dict()))
 
 
 def _write_set(root: str, set_name: str, state: dict[str, torch.Tensor], names: list[str]) -> None:
@@ -206,7 +209,8 @@ def save_checkpoint(engine: Glm53Engine, save_dir: str, tag: str, client_state: 
     os.makedirs(root, exist_ok=True)
     places = model_placements(engine)
     step = _write_portable_optimizer(engine, root, places)
-    _write_model(engine, root, places, dict(engine_layout_record(engine), optimizer_state=dict(step=step)))
+    meta = dict(engine_layout_record(engine), optimizer_state=dict(step=step), model_only=False)
+    _write_model(engine, root, engine.module.state_dict(), places, meta)
     if layout.rank == 0:  # step, data position, RNG: read back at any layout
         _atomic_save(client_state or {}, os.path.join(root, CLIENT_STATE))
     if engine.zero_optimization_stage() == 0:
@@ -346,19 +350,10 @@ def save_merged_model(engine: Glm53Engine, save_dir: str, tag: str) -> str:
     """A model-only checkpoint of the running model as `<save_dir>/<tag>` (the layout a conversion writes: model
     sets and layout.json, published whole), LoRA adapters merged into their weights (`merged_state_dict`), no
     optimizer state; what an export converts. Collective; returns the tag directory."""
-    layout = engine.layout
     staged = StagedTag.begin(save_dir, tag)
-    root = staged.model_dir
-    os.makedirs(root, exist_ok=True)
-    state = merged_state_dict(engine.module)
-    places = {n: p for n, p in model_placements(engine).items() if n in state}
-    own = expert_set_name(layout.ep_rank, layout.etp_rank)
-    if layout.rank == 0:
-        _write_set(root, REPLICATED, state, [n for n, p in places.items() if p.stored_set == REPLICATED])
-        write_layout(root, dict(engine_layout_record(engine), model_only=True,
-                                config=engine.module.glm.to_text_dict()))  # fmt: skip
-    if dist.get_rank(layout.expert_dp_group) == 0:
-        _write_set(root, own, state, sorted(n for n, p in places.items() if p.stored_set == own))
+    os.makedirs(staged.model_dir, exist_ok=True)
+    meta = dict(engine_layout_record(engine), model_only=True)
+    _write_model(engine, staged.model_dir, merged_state_dict(engine.module), model_placements(engine), meta)
     return staged.publish()
 
 
