@@ -34,6 +34,8 @@ setup(
             "pytest==9.0.3",
             "ruff==0.17.6",
             "mypy==2.4.1",
+            # The PEFT adapter export is tested by loading it into transformers' model with PEFT.
+            "peft==0.21.2",
         ],
     },
 )

@@ -171,7 +171,7 @@ def compare_to_reference(
     model, ref, layout, use_grad: bool, worst_names: dict | None = None
 ) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """Max relative error of this rank's params (or grads) vs the reference, split expert / non-expert."""
-    from glm53_ds.parallel.expert_shard import expert_tensor_kind
+    from glm53_ds.checkpoint.placement import expert_split, local_part
 
     shard = layout.expert_shard(ref.glm)
     ref_params = dict(ref.named_parameters())
@@ -185,9 +185,8 @@ def compare_to_reference(
             theirs is None or mine is None
         ):  # frozen indexer (HF's no_grad indexer); kept buffers after the step
             continue
-        if (tensor_kind := expert_tensor_kind(name)) is not None:
-            theirs = shard.shard(tensor_kind, theirs)
-        kind = "expert" if tensor_kind is not None else "non_expert"
+        kind = "non_expert" if expert_split(name) is None else "expert"  # the expert LoRA adapters too
+        theirs = local_part(name, theirs, shard)
         err = rel_err(mine.float(), theirs.float())
         if worst_names is not None and err > worst[kind]:
             worst_names[kind] = name

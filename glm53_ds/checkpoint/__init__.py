@@ -6,7 +6,8 @@ converted `native/`) is
     <tag>/manifest.json                     every file below with its size and CRC-32, written last
     <tag>/<DeepSpeed's files>               ZeRO optimizer partitions, one file per rank; client state (training)
     <tag>/glm53/layout.json                 format, world size, EP, ETP, SP, ZeRO stage, dtype, the Glm53Config,
-                                            model_only, the layout-free optimizer state's step
+                                            model_only, the layout-free optimizer state's step,
+                                            adapters_only (a LoRA run's: no frozen base; `base_weights`)
     <tag>/glm53/hf_config.json              converted: the config.json the weights came from, verbatim
     <tag>/glm53/replicated.*                every non-expert tensor (a tensor set: index + safetensors files)
     <tag>/glm53/experts_ep<EEE>_etp<TTT>.*  one EP x ETP expert shard: [E/EP, 2I/ETP, D] and [E/EP, D, I/ETP]
@@ -20,7 +21,7 @@ converted `native/`) is
 
 Modules: `tensor_sets` (a set's streaming writer and reader) over `safetensors_file` (positioned reads);
 `placement` (where a rank's tensor sits in the global tensor: every read is an overlap of placements);
-`directory` (`CheckpointDir`: resolving `latest`, the layout record and its refusals, reads at any layout,
+`base_weights` (the base an adapter checkpoint records and is checked against); `directory` (`CheckpointDir`: resolving `latest`, the layout record and its refusals, reads at any layout,
 completeness); `publish` (staging, manifest, rename, `latest`; verify before any read). What the engine adds (its
 optimizer state through DeepSpeed, DeepSpeed's own files) is `engine/checkpoint.py`; what the converters add (the
 released naming) is `convert/`. Nothing here imports DeepSpeed or the model.

@@ -130,6 +130,11 @@ class CheckpointDir:
         return bool(self.meta.get("model_only", True))
 
     @property
+    def adapters_only(self) -> bool:
+        """A LoRA run's save without its frozen base (the base comes from where the run state records)."""
+        return bool(self.meta.get("adapters_only", False))
+
+    @property
     def optimizer_step(self) -> int | None:
         """The step of the layout-free optimizer state, None when the checkpoint holds none."""
         state = self.meta.get("optimizer_state")

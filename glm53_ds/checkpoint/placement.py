@@ -27,6 +27,8 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
+
 from ..parallel.expert_shard import ExpertShard
 
 REPLICATED = "replicated"
@@ -179,3 +181,13 @@ def index_placement(name: str, shape: tuple[int, ...], index: tuple[int | slice,
             box.append((lo, hi))
     local = tuple(hi - lo for lo, hi in box)
     return TensorPlacement(name, tuple(shape), local, (Block(tuple(box), (0,) * len(box)),), REPLICATED)
+
+
+def local_part(name: str, full: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
+    """`shard`'s local tensor of the global tensor `full` (what a model at `shard`'s layout holds of it)."""
+    target = placement(name, tuple(full.shape), shard)
+    whole = index_placement(name, tuple(full.shape), ())
+    out = full.new_empty(target.local_shape)
+    for src, dst in copies(target, whole):
+        out[dst] = full[src]
+    return out

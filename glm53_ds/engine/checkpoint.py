@@ -192,25 +192,45 @@ def _first_non_finite(model: Any) -> str | None:
     return next((b for b in gather(bad) if b is not None), None)
 
 
-def save_checkpoint(engine: Glm53Engine, save_dir: str, tag: str, client_state: dict | None = None) -> str:
+def frozen_base(engine: Glm53Engine) -> set[str]:
+    """The state-dict names of the frozen parameters (a LoRA run's base), HF's fp32-kept ones of a bf16 engine
+    (buffers there) included."""
+    frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+    side = engine.fp32_params
+    return frozen | set(side.frozen if side is not None else ())
+
+
+def save_checkpoint(
+    engine: Glm53Engine,
+    save_dir: str,
+    tag: str,
+    client_state: dict | None = None,
+    adapters_only: bool = False,
+) -> str:
     """Save as `<save_dir>/<tag>` (whole or not at all: `StagedTag`) and point `latest` at it; returns the tag
-    directory. A model holding inf / NaN anywhere is refused before anything is written (`CheckpointError`;
-    `latest` stays on the previous tag). Collective."""
+    directory. `adapters_only`: without the frozen base (`frozen_base`), which a resume loads from its own source
+    first (layout.json records `adapters_only`); the trained tensors, the buffers (the router's correction bias) and
+    the optimizer and run state as always. A model holding inf / NaN anywhere is refused before anything is written
+    (`CheckpointError`; `latest` stays on the previous tag). Collective."""
     layout = engine.layout
     bad = _first_non_finite(engine.module)
     if bad is not None:
         raise CheckpointError(f"refusing to save {os.path.join(save_dir, tag)}: {bad} holds inf / NaN values "
                               "(nothing was written; 'latest' is unchanged)")  # fmt: skip
     staged = StagedTag.begin(save_dir, tag)
-    engine.ds.save_checkpoint(
-        save_dir, tag=staged.staging, client_state=client_state or {}, save_latest=False
-    )
+    engine.ds.save_checkpoint(save_dir, tag=staged.staging, client_state=client_state or {}, save_latest=False,
+                              exclude_frozen_parameters=adapters_only)  # fmt: skip
     root = staged.model_dir
     os.makedirs(root, exist_ok=True)
     places = model_placements(engine)
     step = _write_portable_optimizer(engine, root, places)
-    meta = dict(engine_layout_record(engine), optimizer_state=dict(step=step), model_only=False)
-    _write_model(engine, root, engine.module.state_dict(), places, meta)
+    meta = dict(engine_layout_record(engine), optimizer_state=dict(step=step), model_only=False,
+                adapters_only=adapters_only)  # fmt: skip
+    state = engine.module.state_dict()
+    if adapters_only:
+        base = frozen_base(engine)
+        state = {n: t for n, t in state.items() if n not in base}
+    _write_model(engine, root, state, places, meta)
     if layout.rank == 0:  # step, data position, RNG: read back at any layout
         _atomic_save(client_state or {}, os.path.join(root, CLIENT_STATE))
     if engine.zero_optimization_stage() == 0:
@@ -253,7 +273,9 @@ def load_checkpoint(
     fp32 master and Adam moments (under ZeRO only the rows of its fragment), and the step; the client state comes
     from glm53's own file. `model_only=True` loads the weights only (fresh optimizer state, step 0); `keep`: tensors
     of the model the checkpoint may lack, kept as they are (a LoRA run's fresh adapters over a base checkpoint).
-    `verify=False` only when `verify_checkpoint` already checked this tag."""
+    An adapter checkpoint (`save_checkpoint(adapters_only=True)`) holds no frozen base: the model must hold its base
+    already; what it stores, the trained tensors among them, is loaded. `verify=False` only when `verify_checkpoint`
+    already checked this tag."""
     tag = verify_checkpoint(load_dir, tag) if verify else (tag or latest_tag(load_dir))
     ckpt = CheckpointDir(load_dir, tag)
     here = engine_layout_record(engine)
@@ -280,6 +302,9 @@ def load_checkpoint(
     stored = ckpt.keys()
     if keep is not None:
         places = {n: p for n, p in places.items() if n in stored or not keep(n)}
+    if ckpt.adapters_only:  # the base is loaded already
+        base = frozen_base(engine)
+        places = {n: p for n, p in places.items() if n not in base or n in stored}
     missing, unexpected = sorted(set(places) - stored), sorted(stored - set(places))
     if missing or unexpected:
         raise CheckpointError(

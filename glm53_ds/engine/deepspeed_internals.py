@@ -186,14 +186,14 @@ def _install_norm_fixes(engine: Any, layout: ParallelLayout) -> None:
     `build.prepare_model`); tests/engine/test_gradient_sync.py checks every mode.
     """
     optimizer = engine.optimizer
-    expert_group = layout.pg_collection.tp_ep
+    expert_group, etp_rank = layout.pg_collection.tp_ep, dist.get_rank(layout.etp_group)
     zero = hasattr(optimizer, "reduce_independent_p_g_buckets_and_remove_grads")
     if not hasattr(optimizer, "get_grads_for_norm") and not zero:
         if not (engine.fp16_enabled() or engine.bfloat16_enabled()):  # a plain torch optimizer, ours
 
             def clip_fp32_gradients() -> None:
                 engine._global_grad_norm = clip_grad_norm(
-                    engine.module, engine.gradient_clipping(), expert_group
+                    engine.module, engine.gradient_clipping(), expert_group, etp_rank
                 )
 
             engine.clip_fp32_gradients = clip_fp32_gradients
@@ -206,7 +206,7 @@ def _install_norm_fixes(engine: Any, layout: ParallelLayout) -> None:
             # DeepSpeed applies this optimizer whatever the norm: refused here when it is not finite. Without
             # clipping DeepSpeed computes no norm: computed here (and reported) instead.
             if engine.gradient_clipping() <= 0:
-                engine._global_grad_norm = global_grad_norm(engine.module, expert_group)
+                engine._global_grad_norm = global_grad_norm(engine.module, expert_group, etp_rank)
             _refuse_non_finite(engine._global_grad_norm)
             return plain_step(*args, **kwargs)
 

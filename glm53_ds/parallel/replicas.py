@@ -1,7 +1,8 @@
 """`check_replicas(model, layout)`: are replicated parameters and buffers still identical across replicas?
 
 Replica groups: non-expert tensors -> the whole world; expert tensors (`allreduce == False`) -> the
-expert-data-parallel group (ranks holding the same expert shard). A float64 checksum per tensor (sum and sum
+expert-data-parallel group (ranks holding the same expert shard); expert tensors whole on every ETP rank of their
+shard (`etp_replicated`: LoRA's `gate_up_A` / `down_B`) -> the ETP group too. A float64 checksum per tensor (sum and sum
 of squares) is all-gathered; on any mismatch the max elementwise difference of each offending tensor is
 computed and a `ReplicaMismatch` names them.
 """
@@ -26,13 +27,14 @@ def _tensors(model: nn.Module, experts: bool) -> list[tuple[str, torch.Tensor]]:
         if name.endswith("expert_load"):  # per-rank token counts by design
             continue
         if is_expert_param(t) == experts:
-            out.append((name, t.detach()))
+            out.append((name, t))
     return out
 
 
 def _check(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None) -> list[str]:
     if not named or dist.get_world_size(group) == 1:
         return []
+    named = [(n, t.detach()) for n, t in named]
     local = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for _, t in named]).to(
         named[0][1].device
     )  # [P, 2]
@@ -51,9 +53,9 @@ def _check(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | Non
 
 
 def check_replicas(model: nn.Module, layout: ParallelLayout) -> None:
-    problems = _check(_tensors(model, experts=False), None) + _check(
-        _tensors(model, experts=True), layout.expert_dp_group
-    )
+    experts = _tensors(model, experts=True)
+    problems = _check(_tensors(model, experts=False), None) + _check(experts, layout.expert_dp_group)
+    problems += _check([(n, t) for n, t in experts if getattr(t, "etp_replicated", False)], layout.etp_group)
     if problems:
         raise ReplicaMismatch(
             f"replicas differ on rank {layout.rank}: {len(problems)} tensor(s): " + ", ".join(problems)

@@ -189,11 +189,6 @@ class TrainConfig:
                 self.lora_spec()
             except ValueError as e:
                 raise SetupError(f"--lora-rank / --lora-alpha / --lora-dropout / --lora-targets: {e}") from e
-            if self.etp > 1:
-                raise SetupError(
-                    f"--lora-rank with --etp {self.etp}: LoRA adapters under expert tensor parallelism are not "
-                    "supported yet (use --etp 1; EP, SP and data parallelism compose with LoRA)"
-                )
         if self.long_documents not in LONG_DOCUMENTS:
             raise SetupError(f"--long-documents must be one of {LONG_DOCUMENTS}, got {self.long_documents!r}")
         if self.recompute not in RECOMPUTE:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..checkpoint import CheckpointDir, CheckpointError, layout_record, verify_checkpoint
+from ..checkpoint.base_weights import HF, NATIVE, base_record, check_base, describe_base
 from ..config import Glm53Config
 from ..engine import (
     Glm53Engine,
@@ -228,6 +229,13 @@ class Trainer:
         self.start_step = 0
         self.load_tag: str | None = None  # --load's tag, verified in setup()
         self.base_only = False  # a LoRA run whose --load holds no adapters: its weights are the base
+        # a LoRA run's base (`checkpoint/base_weights.py`): recorded by its checkpoints, which then hold the
+        # adapters and not the base; None where the base has no source to reload (random initial weights)
+        self.base: dict[str, Any] | None = None
+        self.weights_dir = config.hf_dir  # released-layout weights the model is built from
+        self.base_checkpoint: tuple[str, str] | None = (
+            None  # a native base an adapter checkpoint resumes over
+        )
         self._plan: RunPlan | None = None  # set in setup()
         self.consumed = 0  # samples of the run read so far (the data position checkpoints store)
         self.last_saved: str | None = None
@@ -269,6 +277,8 @@ class Trainer:
         if c.load:  # the whole tag checked before anything of it is read
             self.load_tag = _or_setup_error(lambda: verify_checkpoint(c.load, c.load_tag), alike=True)
             self.base_only = _or_setup_error(self._lora_against_load, alike=True)
+        if c.lora_spec() is not None:
+            agreed(self._find_base)
         saved_batch = self._saved_global_batch()
 
         def check_layout() -> None:  # the same inputs on every rank: a failure is every rank's
@@ -308,6 +318,9 @@ class Trainer:
             here = layout_record(self.world, c.ep, c.etp, c.sp, self.plan.zero_stage, self.plan.bf16)
             weights_only = c.load_model_only or self.base_only
             agreed(lambda: check_checkpoint_fits(c.load, str(self.load_tag), cfg, here, weights_only))
+            if self.base_checkpoint is not None:
+                base_dir, base_tag = self.base_checkpoint
+                agreed(lambda: check_checkpoint_fits(base_dir, base_tag, cfg, here, model_only=True))
 
         self.layout = init_layout(c.ep, c.etp, cfg, sp=c.sp)
         self._engine = build_engine(self._build_model(), self.plan.ds_config, optimizer=self._adamw, layout=self.layout,
@@ -317,6 +330,12 @@ class Trainer:
                 f"optimizer: {describe_param_groups(self.engine, c.weight_decay, c.no_decay_pattern)}",
                 file=sys.stderr,
             )
+        if self.base_checkpoint is not None:  # an adapter checkpoint's native base, before the adapters
+            base_dir, base_tag = self.base_checkpoint
+            _or_setup_error(lambda: load_checkpoint(self.engine, base_dir, tag=base_tag, model_only=True,
+                                                    keep=is_lora_param))  # fmt: skip
+        if self.base is not None and c.load and not self.base_only:
+            self._say(f"base weights: {describe_base(self.base)}")
         if c.load:
             # over a base checkpoint (no adapters in it) the adapters start fresh
             keep = is_lora_param if self.base_only else None
@@ -365,6 +384,39 @@ class Trainer:
                 "to resume it, or export it merged (--export-hf) and start from that"
             )
         return False
+
+    def _find_base(self) -> None:
+        """A LoRA run's base (`self.base`) and where its weights come from. A fresh run's: --hf-dir, or --load of a
+        checkpoint without adapters. A run resuming an adapter checkpoint (adapters without their base): the base
+        it records, from --hf-dir when given (checked against the record: other base weights would silently
+        change what the adapters mean), else from the recorded path (announced)."""
+        c = self.config
+        ckpt = CheckpointDir(c.load, str(self.load_tag)) if c.load else None
+        if ckpt is None or self.base_only:
+            self.base = base_record(NATIVE, str(c.load), self.load_tag) if ckpt else (
+                base_record(HF, c.hf_dir) if c.hf_dir else None)  # fmt: skip
+            return
+        recorded = read_client_state(str(c.load), str(self.load_tag)).get("base")
+        if not ckpt.adapters_only:  # a LoRA checkpoint holding its base too
+            self.base = recorded
+            return
+        if recorded is None:
+            raise SetupError(f"--load {c.load}: an adapter checkpoint that does not record its base weights")
+        if c.hf_dir:
+            given, option = base_record(HF, c.hf_dir), f"--hf-dir {c.hf_dir}"
+        else:
+            option = f"--load {c.load} (the base it records)"
+            try:
+                given = base_record(recorded["kind"], recorded["path"], recorded.get("tag"))
+            except (OSError, ValueError) as e:
+                raise SetupError(f"--load {c.load}: the adapters' base weights, {describe_base(recorded)}, cannot "
+                                 f"be read ({e}); give the base with --hf-dir") from e  # fmt: skip
+        check_base(recorded, given, option)
+        self.base = given
+        if given["kind"] == HF:
+            self.weights_dir = given["path"]
+        else:
+            self.base_checkpoint = (given["path"], given["tag"])
 
     def _resume(self, client: dict[str, Any]) -> None:
         """Step, data position (consumed samples), RNG from a training checkpoint; a converted (model-only) one
@@ -415,9 +467,11 @@ class Trainer:
         )  # fmt: skip
         torch.manual_seed(c.seed)
         use_mtp = cfg.num_nextn_predict_layers > 0
-        checkpoint = SafetensorsCheckpoint(c.hf_dir) if c.hf_dir else None
+        checkpoint = SafetensorsCheckpoint(self.weights_dir) if self.weights_dir else None
         if checkpoint is not None:  # MTP follows what the weights hold
             use_mtp = use_mtp and checkpoint_has_mtp(checkpoint.keys(), cfg)
+        elif self.base_checkpoint is not None:
+            use_mtp = use_mtp and CheckpointDir(*self.base_checkpoint).has_mtp
         elif c.load:
             use_mtp = use_mtp and CheckpointDir(c.load, str(self.load_tag)).has_mtp
         model = Glm53Model(tconfig, mtp=use_mtp, pg_collection=self.layout.pg_collection)
@@ -542,11 +596,11 @@ class Trainer:
         check_replicas(self.engine.module, self.layout)
         client = {"step": step, "consumed_samples": self.consumed, "global_batch_size": self.plan.global_batch,
                   "data": self.stream.identity, "rng": torch.get_rng_state(),
-                  "lora": lora_record(self.config.lora_spec())}  # fmt: skip
+                  "lora": lora_record(self.config.lora_spec()), "base": self.base}  # fmt: skip
+        adapters_only = self.base is not None and self.config.lora_spec() is not None
         try:
-            self.last_saved = save_checkpoint(
-                self.engine, self.config.save, f"step{step}", client_state=client
-            )
+            self.last_saved = save_checkpoint(self.engine, self.config.save, f"step{step}", client_state=client,
+                                              adapters_only=adapters_only)  # fmt: skip
         except CheckpointError as e:  # non-finite weights: decided on every rank alike
             raise TrainingStopped(f"{e}. {self._last_good()}") from e
         self._say(f"saved {self.last_saved} (step {step}, {self.consumed} consumed samples)")

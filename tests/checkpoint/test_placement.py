@@ -15,6 +15,7 @@ from glm53_ds.checkpoint.placement import (
     expert_set_name,
     global_shape,
     index_placement,
+    local_part,
     placement,
     stored_placements,
 )
@@ -142,3 +143,20 @@ def test_expert_adapters_read_at_any_layout(stored_ep, stored_etp):
             assert target.local_shape == tuple(_lora_part(kind, whole, shard).shape)
             assert torch.equal(assemble(target, parts), _lora_part(kind, whole, shard)), (kind, shard)
             assert global_shape(name, target.local_shape, shard) == shape
+
+
+def test_local_part_is_the_shard_rule():
+    """`local_part` (what the multi-rank tests compare a rank's tensors with) agrees with `ExpertShard.shard` and
+    with the adapters' rule above, at layouts whose ETP does not divide evenly into the stored one."""
+    whole, r = _whole(), 4
+    g = torch.Generator().manual_seed(2)
+    adapters = {"gate_up_A": torch.randn(E, r, D, generator=g), "down_B": torch.randn(E, D, r, generator=g),
+                "gate_up_B": torch.randn(E, 2 * INNER, r, generator=g), "down_A": torch.randn(E, r, INNER, generator=g)}  # fmt: skip
+    for shard in [*ExpertShard(E, INNER, 2, 0, 3, 0).all_shards(), ExpertShard(E, INNER)]:
+        for kind, full in whole.items():
+            assert torch.equal(local_part(NAMES[kind], full, shard), shard.shard(kind, full))
+        for kind, full in adapters.items():
+            got = local_part(f"decoder.layers.1.mlp.experts.lora.{kind}", full, shard)
+            assert torch.equal(got, _lora_part(kind, full, shard)), (kind, shard)
+        w = torch.randn(3, 5, generator=g)
+        assert torch.equal(local_part("decoder.layers.0.self_attention.o_proj.weight", w, shard), w)

@@ -15,6 +15,7 @@ Replicas are always compared bitwise (`check_replicas`).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -182,7 +183,7 @@ def training_steps(
 ) -> list[dict[str, Any]]:
     """Two optimizer steps per case on different global batches; replica identity and reference distance. Under
     SP every rank of an SP group gets the same rows (its data rank's) and computes its shard of them."""
-    from glm53_ds.layers.moe import update_router_bias
+    from glm53_ds.checkpoint.placement import expert_split
     from glm53_ds.parallel.replicas import ReplicaMismatch, check_replicas
 
     layout = setup_ranks(ep, etp, sp)
@@ -192,38 +193,16 @@ def training_steps(
         dtype = torch.bfloat16 if case.get("dtype") == "bf16" else torch.float32
         gas, lr, rate = case.get("gas", 1), case.get("lr", 0.05), case.get("router_rate", 1e-3)
         ref, model = load_models(case.get("ckpt", ckpt), layout, dtype)
-        engine = make_engine(model, layout, case["stage"], dtype, case["optimizer"], lr, case["patch"], gas=gas,
-                         overlap_comm=case.get("overlap_comm", False), bf16_optimizer=case.get("bf16_optimizer", False),
-                         clip=1e9, sp_reduction=case.get("sp_reduction", True))  # fmt: skip
-        norms, ref_norms = [], []
-        groups = [{"params": list(ref.parameters())}]
-        ref_opt = (
-            torch.optim.SGD(groups, lr=lr)
-            if case["optimizer"] == "sgd"
-            else torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-        )
-        ref.train()
-        initial = {n: p.detach().float().clone() for n, p in ref.named_parameters()}
-        for step in range(2):
-            ids = global_batch(ref.glm.vocab_size, world, seed=100 + step, micro=gas)
-            for micro in range(gas):
-                x = local_rows(ids[micro], rank)
-                engine.backward(engine(x, labels=x))
-                engine.step()
-            norm = (
-                engine.get_global_grad_norm()
-            )  # None where DeepSpeed does not record it (unpatched stage 0)
-            norms.append(None if norm is None else float(norm))
-            ref_opt.zero_grad()
-            (ref(ids.flatten(0, 1), labels=ids.flatten(0, 1))).backward()
-            ref_norms.append(
-                torch.sqrt(
-                    sum(p.grad.double().square().sum() for p in ref.parameters() if p.grad is not None)
-                ).item()
-            )
-            ref_opt.step()
-            update_router_bias(engine.module, rate=rate)
-            update_router_bias(ref, rate=rate, reduce=False)
+        if case.get("lora"):  # LoRA adapters of rank case["lora"] on both, the base frozen
+            with_lora(ref, model, layout, case["lora"])
+        base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+        with contextlib.ExitStack() as stack:
+            if case.get("expert_adapters_reduced", True) is False:
+                stack.enter_context(expert_adapters_not_reduced(model))
+            engine = make_engine(model, layout, case["stage"], dtype, case["optimizer"], lr, case["patch"], gas=gas,
+                             overlap_comm=case.get("overlap_comm", False), bf16_optimizer=case.get("bf16_optimizer", False),
+                             clip=1e9, sp_reduction=case.get("sp_reduction", True))  # fmt: skip
+            steps = _steps(engine, ref, case, lr, gas, rate, rank, world)
         try:
             check_replicas(engine.module, layout)
             replicas = "identical"
@@ -235,24 +214,96 @@ def training_steps(
             dict(
                 case=case,
                 replicas=replicas,
-                grad_norm=norms,
-                ref_grad_norm=ref_norms,
+                **steps,
                 param_err=compare_to_reference(
                     engine.module, ref, layout, use_grad=False, worst_names=(names := {})
                 ),
                 worst_param=names,
-                ref_update=max(rel_err(p.detach().float(), initial[n]) for n, p in ref.named_parameters()),
                 update=max(
-                    rel_err(p.detach().float(), initial[n])
+                    rel_err(p.detach().float(), steps["initial"][n])
                     for n, p in engine.module.named_parameters()
-                    if not n.endswith(("gate_up_proj", "down_proj"))
+                    if expert_split(n) is None and n in steps["initial"]
                 ),
+                base_unchanged=all(
+                    torch.equal(p, base[n]) for n, p in engine.module.named_parameters() if n in base
+                ),
+                frozen=len(base),
                 bias_equal_ref=all(torch.equal(a, b) for a, b in zip(biases, ref_biases, strict=True)),
                 bias_moved=any(bool(b.abs().sum() > 0) for b in biases),
                 optimizer_type=type(engine.optimizer).__name__,
             )
         )
+        results[-1].pop("initial")
     return results
+
+
+def _steps(engine, ref, case, lr, gas, rate, rank, world) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """Two optimizer steps of `engine` and of the single-process reference on the same global batches."""
+    from glm53_ds.layers.moe import update_router_bias
+
+    norms, ref_norms = [], []
+    groups = [{"params": [p for p in ref.parameters() if p.requires_grad]}]
+    ref_opt = (
+        torch.optim.SGD(groups, lr=lr)
+        if case["optimizer"] == "sgd"
+        else torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    )
+    ref.train()
+    initial = {n: p.detach().float().clone() for n, p in ref.named_parameters()}
+    for step in range(2):
+        ids = global_batch(ref.glm.vocab_size, world, seed=100 + step, micro=gas)
+        for micro in range(gas):
+            x = local_rows(ids[micro], rank)
+            engine.backward(engine(x, labels=x))
+            engine.step()
+        norm = engine.get_global_grad_norm()  # None where DeepSpeed does not record it (unpatched stage 0)
+        norms.append(None if norm is None else float(norm))
+        ref_opt.zero_grad()
+        (ref(ids.flatten(0, 1), labels=ids.flatten(0, 1))).backward()
+        ref_norms.append(
+            torch.sqrt(
+                sum(p.grad.double().square().sum() for p in ref.parameters() if p.grad is not None)
+            ).item()
+        )
+        ref_opt.step()
+        update_router_bias(engine.module, rate=rate)
+        update_router_bias(ref, rate=rate, reduce=False)
+    ref_update = max(rel_err(p.detach().float(), initial[n]) for n, p in ref.named_parameters())
+    return dict(grad_norm=norms, ref_grad_norm=ref_norms, ref_update=ref_update, initial=initial)
+
+
+def with_lora(ref, model, layout, rank: int) -> None:  # type: ignore[no-untyped-def]
+    """The same LoRA adapters (layout-independent initial values) on the reference and this rank's model, the base
+    frozen on both; B starts at zero, so the first step moves only B and the second both."""
+    from glm53_ds.layers.lora import LoraSpec
+    from glm53_ds.layers.lora_targets import apply_lora
+    from glm53_ds.training.trainable import select_trainable
+
+    spec = LoraSpec(rank=rank, alpha=2.0 * rank)
+    apply_lora(ref, spec)
+    apply_lora(model, spec, etp_group=layout.etp_group if layout.etp > 1 else None)
+    for m in (ref, model):
+        select_trainable(m, lora=True, trainable=None, freeze=None, train_indexer=False)
+
+
+@contextlib.contextmanager
+def expert_adapters_not_reduced(model):  # type: ignore[no-untyped-def]
+    """Control (stage 0): DeepSpeed's expert-gradient reduction leaves the expert adapters out, as a port that
+    does not tag them as expert parameters of the expert-data-parallel group would."""
+    from unittest import mock
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    original = DeepSpeedEngine._get_gradients_for_reduction
+    adapters = [p for n, p in model.named_parameters() if ".experts.lora." in n]
+
+    def without_adapters(self):  # type: ignore[no-untyped-def]
+        dense, experts = original(self)
+        skip = {p.grad.data_ptr() for p in adapters if p.grad is not None}
+        return dense, {k: [g for g in v if g.data_ptr() not in skip] for k, v in experts.items()}
+
+    with mock.patch.object(DeepSpeedEngine, "_get_gradients_for_reduction", without_adapters):
+        yield
 
 
 def layout_suite(ckpt: str, ep: int, etp: int, cases: list[dict[str, Any]]) -> dict[str, Any]:

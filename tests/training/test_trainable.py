@@ -1,8 +1,9 @@
 """What a run trains (training/trainable.py): full fine-tuning, LoRA adapters over a frozen base, patterns; and
 LoRA runs end to end (`deepspeed launch/train.py --lora-rank`): EP2 over two ranks with replica checks every step,
-the base bitwise unchanged in the checkpoint, the adapters moved, the export the merged W + (alpha / r) B A that
-transformers loads, a resume at another layout, a resume with other adapters refused, a base checkpoint given
-fresh adapters."""
+checkpoints holding the adapters and buffers without the base, the adapters moved, the export the merged
+W + (alpha / r) B A that transformers loads (every other tensor the base, bitwise), a resume in one process over
+the recorded base continuing the EP2 curve (losses within 1e-5), other base weights and other adapters refused
+naming both, a base checkpoint given fresh adapters and its adapter checkpoint resumed over it."""
 
 from __future__ import annotations
 
@@ -15,8 +16,18 @@ from glm53_ds.config import Glm53Config
 from glm53_ds.layers.lora import LoraSpec, is_lora_param
 from glm53_ds.layers.lora_targets import apply_lora
 from glm53_ds.training.config import SetupError
+from glm53_ds.training.presets import tiny
 from glm53_ds.training.trainable import select_trainable
-from tests.cli import QUICK, deepspeed_run, metrics, one_error, run, tiny_hf_checkpoint, train_config
+from tests.cli import (
+    QUICK,
+    deepspeed_run,
+    metrics,
+    one_error,
+    run,
+    tiny_hf_checkpoint,
+    train_config,
+    write_hf_checkpoint,
+)
 from tests.model_fixtures import CONFIG_A
 
 
@@ -59,7 +70,6 @@ def test_the_trainable_rules():
             r"--lora-targets: LoRA targets \['mla', 'router'\]",
         ),
         (["--lora-rank", "4", "--lora-dropout", "1.5"], r"dropout must be in \[0, 1\)"),
-        (["--lora-rank", "4", "--etp", "2"], r"--lora-rank with --etp 2: .* not supported yet"),
         (["--trainable", "("], r"--trainable '\(': not a regular expression"),
     ],
 )
@@ -78,57 +88,80 @@ def test_lora_keeps_the_router_bias():
 
 @pytest.mark.slow
 def test_a_lora_run_under_ep2_trains_the_adapters_only_and_exports_them_merged(tmp_path):
-    hf = tmp_path / "hf"
+    hf, other_hf = tmp_path / "hf", tmp_path / "other_hf"
     hf.mkdir()
+    other_hf.mkdir()
     tiny_hf_checkpoint(hf)  # the tiny preset: KDA, MLA, dense and MoE layers, MTP
-    base = {k: v for k, v in glm53_ds.load_hf(str(hf)).state_dict().items() if not k.endswith("_extra_state")}
-    common = [*QUICK[2:], "--hf-dir", str(hf), "--tokenizer", "bytes", "--ep", "2", "--lora-rank", "4",
-              "--lora-alpha", "8", "--check-replicas-interval", "1", "--lr", "1e-2"]  # fmt: skip
+    write_hf_checkpoint(other_hf, tiny(), seed=1)  # the same shapes, other weights
+    model = glm53_ds.load_hf(str(hf))
+    base = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    common = [*QUICK[2:], "--tokenizer", "bytes", "--lora-rank", "4", "--lora-alpha", "8",
+              "--check-replicas-interval", "1", "--lr", "1e-2"]  # fmt: skip
     ck, out = tmp_path / "ck", tmp_path / "export"
-    proc = deepspeed_run(2, *common, "--train-iters", "3", "--save", str(ck), "--export-hf", str(out),
-                         "--output-dir", str(tmp_path / "a"))  # fmt: skip
+    proc = deepspeed_run(2, *common, "--hf-dir", str(hf), "--ep", "2", "--train-iters", "5", "--save", str(ck),
+                         "--save-interval", "3", "--export-hf", str(out), "--output-dir", str(tmp_path / "a"))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "trains LoRA adapters: " in proc.stderr
+    # the checkpoint: the adapters and the model's buffers (the router's correction bias), not the frozen base
     saved = CheckpointDir(str(ck))
+    assert saved.adapters_only
     stored = {k: saved.full_tensor(k) for k in saved.keys()}
     adapters = {k: v for k, v in stored.items() if is_lora_param(k)}
-    assert {k for k in stored if not is_lora_param(k)} == set(base)
-    changed = [k for k in base if not torch.equal(stored[k], base[k])]
-    assert changed == [], changed[:5]  # the base, router bias and fp32-kept tensors included, bitwise
+    buffers = {k for k, _ in model.named_buffers()}
+    assert adapters and {k for k in stored if not is_lora_param(k)} <= buffers
     moved = [
         k for k, v in adapters.items() if k.endswith(("lora.B", "gate_up_B", "down_B")) and v.abs().sum() > 0
     ]
     assert len(moved) == len(adapters) // 2  # every B left zero
-    # the export: W + 2 B A in fp32 for every adapted tensor, the rest the base, loaded as transformers does
+    # the export: W + 2 B A in fp32 for every adapted tensor, every other tensor the base bitwise
     exported = glm53_ds.load_hf(str(out)).state_dict()
+    adapted = set()
     for name, a in adapters.items():
         if name.endswith(".lora.A"):
             owner = name.removesuffix(".lora.A")
             want = base[f"{owner}.weight"] + 2.0 * stored[f"{owner}.lora.B"] @ a
             assert torch.allclose(exported[f"{owner}.weight"], want, rtol=0, atol=1e-6), owner
+            adapted.add(f"{owner}.weight")
         elif name.endswith(".lora.gate_up_A"):
             owner = name.removesuffix(".lora.gate_up_A")
             for kind, prefix in (("gate_up_proj", "gate_up"), ("down_proj", "down")):
                 b, a_ = stored[f"{owner}.lora.{prefix}_B"], stored[f"{owner}.lora.{prefix}_A"]
                 want = base[f"{owner}.{kind}"] + 2.0 * torch.bmm(b, a_)
                 assert torch.allclose(exported[f"{owner}.{kind}"], want, rtol=0, atol=1e-6), owner
-    kept = [k for k in base if k.endswith(("A_log", "dt_bias", "e_score_correction_bias"))]
-    assert kept and all(torch.equal(exported[k], base[k]) for k in kept)  # fp32-kept and unadapted: the base
+                adapted.add(f"{owner}.{kind}")
+    changed = [k for k in base if k not in adapted and not torch.equal(exported[k], base[k])]
+    assert changed == [], changed[:5]  # fp32-kept, router bias, norms, indexer, embeddings: the base
 
-    # resumed at another layout (two data-parallel ranks, EP 1): it continues, replicas checked every step
-    proc = deepspeed_run(2, *[a for a in common if a not in ("--ep", "2")], "--ep", "1", "--train-iters", "5",
-                         "--load", str(ck), "--output-dir", str(tmp_path / "b"))  # fmt: skip
+    # step 3 resumed in one process (EP 1) without --hf-dir: the base it records is loaded (announced), and the
+    # run continues the EP2 curve (steps 4-5 within 1e-5)
+    proc = run(*common, "--train-iters", "5", "--load", str(ck), "--load-tag", "step3", "--output-dir",
+               str(tmp_path / "b"))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["step"] for r in metrics(tmp_path / "b")] == [4, 5]
+    assert f"base weights: the released-layout weights {hf}, fingerprint " in proc.stderr
+    for x, y in zip(metrics(tmp_path / "a")[3:], metrics(tmp_path / "b"), strict=True):
+        assert x["step"] == y["step"] and abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (x, y)
+    # control: other base weights of the same shapes are refused, naming both
+    error = one_error(
+        run(*common, "--hf-dir", str(other_hf), "--load", str(ck), "--output-dir", str(tmp_path / "c"))
+    )
+    assert f"--hf-dir {other_hf}: the released-layout weights {other_hf}" in error
+    assert f"is not the base these adapters were trained on (the released-layout weights {hf}" in error
     # other adapters: refused, naming both
     error = one_error(run(*QUICK[2:], "--hf-dir", str(hf), "--tokenizer", "bytes", "--lora-rank", "8",
                           "--load", str(ck), "--output-dir", str(tmp_path / "c")))  # fmt: skip
     assert "holds LoRA adapters (rank 4, alpha 8" in error and "this run asks for rank 8, alpha 8" in error
-    # a checkpoint without adapters (the export converted back is one) gives the base: fresh adapters, step 0
+    # a checkpoint without adapters (the export converted back is one) gives the base: fresh adapters, step 0;
+    # its adapter checkpoint resumes over that base, read from the recorded checkpoint
     from glm53_ds.convert import hf_to_native
 
     native = hf_to_native(str(hf), str(tmp_path / "native"))
-    proc = run(*QUICK[2:], "--tokenizer", "bytes", "--lora-rank", "4", "--load", native, "--train-iters", "1",
+    proc = run(*common, "--load", native, "--train-iters", "1", "--save", str(tmp_path / "ck2"),
                "--output-dir", str(tmp_path / "d"))  # fmt: skip
     assert proc.returncode == 0 and "loaded the base weights of" in proc.stderr, proc.stderr[-3000:]
     assert "fresh LoRA adapters" in proc.stderr
+    proc = run(
+        *common, "--load", str(tmp_path / "ck2"), "--train-iters", "2", "--output-dir", str(tmp_path / "e")
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"base weights: the checkpoint {native}" in proc.stderr
+    assert [r["step"] for r in metrics(tmp_path / "e")] == [2]
