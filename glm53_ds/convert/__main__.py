@@ -1,4 +1,4 @@
-"""`python -m glm53_ds.convert` / `glm53-convert`: hf-to-native, native-to-hf, verify, describe."""
+"""`python -m glm53_ds.convert` / `glm53-convert`: hf-to-native, native-to-hf, native-to-peft, verify, describe."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 import torch
 
 from .describe import describe_checkpoint
+from .export_adapter import native_to_peft
 from .export_hf import native_to_hf
 from .import_hf import hf_to_native
 from .verify import verify
@@ -42,6 +43,14 @@ def main(argv: list[str] | None = None) -> int:
                    "carries (default: --hf-template's; the export is loadable by AutoTokenizer only with one)")  # fmt: skip
     b.add_argument("--force", action="store_true", help="write into an existing non-empty --out (only the files "
                    "written are replaced)")  # fmt: skip
+    e = sub.add_parser(
+        "native-to-peft", help="a LoRA checkpoint's adapters -> PEFT adapter of transformers' model"
+    )
+    e.add_argument("--ckpt", required=True, help="a LoRA run's checkpoint (its 'latest', a tag, or glm53/)")
+    e.add_argument("--out", required=True, help="the adapter directory to write (adapter_config.json, "
+                   "adapter_model.safetensors; whole, or not at all)")  # fmt: skip
+    e.add_argument("--force", action="store_true", help="write into an existing non-empty --out (only the files "
+                   "written are replaced)")  # fmt: skip
     c = sub.add_parser("verify", help="compare a released checkpoint and a native one")
     c.add_argument("--hf-dir", required=True, help="the released checkpoint")
     c.add_argument("--ckpt", required=True, help="the native checkpoint to compare with it, tensor by tensor")
@@ -58,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
                          tokenizer=args.tokenizer)  # fmt: skip
             if not (args.tokenizer or args.hf_template):
                 print(f"note: {args.out} carries no tokenizer (give --tokenizer DIR or --tokenizer bytes)")
+        elif args.command == "native-to-peft":
+            for notice in native_to_peft(args.ckpt, args.out, force=args.force):
+                print(f"note: {notice}")
         elif args.command == "describe":
             return describe_checkpoint(args.ckpt, args.tag)
         else:

@@ -118,6 +118,10 @@ def native_to_hf(
     copied; default: the template's. `generation_config.json`: the template's, else the tokenizer directory's,
     else one with the model's eos / pad ids."""
     native = NativeCheckpoint(ckpt)
+    if native.adapters_only:
+        raise ConversionError(f"{native.root}: a LoRA run's checkpoint holds its adapters without the base weights; "
+                              "export it with native-to-peft (a PEFT adapter), or merged from a run over its base "
+                              "(--load it with --export-hf)")  # fmt: skip
     check_output_dir(out, "--out", force=force, inputs={"--ckpt": ckpt, "--hf-template": hf_template})
     if hf_template:
         check_template(native, hf_template)

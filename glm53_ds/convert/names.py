@@ -186,6 +186,13 @@ _RENAMES = [
 ]
 
 
+def in_memory_module(released: str) -> str:
+    """The transformers module a released projection weight (`....weight`) belongs to in memory: the same path,
+    but the KDA forget gate's projections live in a `forget_gate` submodule."""
+    module = released.removesuffix(".weight")
+    return re.sub(r"\.self_attn\.(f_a_proj|f_b_proj)$", r".self_attn.forget_gate.\1", module)
+
+
 def split_to_released(name: str, tensor: torch.Tensor, cfg: Glm53Config) -> list[tuple[str, torch.Tensor]]:
     """Released (name, tensor) pieces of one input tensor, whatever spelling it uses."""
     for pattern, repl in _RENAMES:

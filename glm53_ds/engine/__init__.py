@@ -9,7 +9,7 @@
 - `mpu.py`: `DeepSpeedMpu`; `fp32_params.py`: HF's fp32-kept parameters outside DeepSpeed's bf16 cast, with their
   own reduction, norm share and fp32 optimizer;
 - `checkpoint.py`: a running engine's checkpoints (`save_checkpoint` / `load_checkpoint`: DeepSpeed's partitions and
-  the layout-free optimizer state over the format `glm53_ds/checkpoint/` owns) and `export_engine_to_hf`.
+  the layout-free optimizer state over the format `glm53_ds/checkpoint/` owns), `export_engine_to_hf` and `export_engine_to_peft`.
 """
 
 from .build import (
@@ -24,6 +24,7 @@ from .checkpoint import (
     CheckpointError,
     check_checkpoint_fits,
     export_engine_to_hf,
+    export_engine_to_peft,
     layout_record,
     load_checkpoint,
     read_client_state,
@@ -40,6 +41,7 @@ __all__ = [
     "close_distributed",
     "describe_param_groups",
     "export_engine_to_hf",
+    "export_engine_to_peft",
     "Glm53Engine",
     "init_distributed",
     "layout_record",

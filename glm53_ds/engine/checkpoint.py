@@ -48,8 +48,9 @@ from ..checkpoint import (
 )
 from ..checkpoint.publish import from_rank0, gather
 from ..config import Glm53Config
+from ..convert.export_adapter import native_to_peft
 from ..convert.export_hf import native_to_hf
-from ..layers.lora import merged_state_dict
+from ..layers.lora import is_lora_param, merged_state_dict
 from ..safe_io import new_temp_dir
 from .deepspeed_internals import (
     ADAM_MOMENTS,
@@ -59,7 +60,7 @@ from .deepspeed_internals import (
 )
 from .handle import Glm53Engine
 
-__all__ = ["CheckpointError", "check_checkpoint_fits", "engine_layout_record", "export_engine_to_hf",
+__all__ = ["CheckpointError", "check_checkpoint_fits", "engine_layout_record", "export_engine_to_hf", "export_engine_to_peft",
            "layout_record", "load_checkpoint", "read_client_state", "save_checkpoint", "spread",
            "verify_checkpoint"]  # fmt: skip
 
@@ -74,6 +75,13 @@ def engine_layout_record(engine: Glm53Engine) -> dict[str, Any]:
     layout = engine.layout
     return layout_record(layout.world_size, layout.ep, layout.etp, layout.sp, engine.zero_optimization_stage(),
                          engine.bfloat16_enabled())  # fmt: skip
+
+
+def _lora_meta(engine: Glm53Engine) -> dict[str, Any]:
+    """layout.json's record of the model's LoRA adapters (`lora`: rank, alpha, dropout, targets), when it has some:
+    what an adapter export (`convert/export_adapter.py`) reads."""
+    spec = getattr(engine.module, "lora_spec", None)
+    return {} if spec is None else {"lora": spec.record()}
 
 
 def model_placements(engine: Glm53Engine) -> dict[str, TensorPlacement]:
@@ -225,7 +233,7 @@ def save_checkpoint(
     places = model_placements(engine)
     step = _write_portable_optimizer(engine, root, places)
     meta = dict(engine_layout_record(engine), optimizer_state=dict(step=step), model_only=False,
-                adapters_only=adapters_only)  # fmt: skip
+                adapters_only=adapters_only, **_lora_meta(engine))  # fmt: skip
     state = engine.module.state_dict()
     if adapters_only:
         base = frozen_base(engine)
@@ -375,11 +383,42 @@ def save_merged_model(engine: Glm53Engine, save_dir: str, tag: str) -> str:
     """A model-only checkpoint of the running model as `<save_dir>/<tag>` (the layout a conversion writes: model
     sets and layout.json, published whole), LoRA adapters merged into their weights (`merged_state_dict`), no
     optimizer state; what an export converts. Collective; returns the tag directory."""
+    return _save_model_only(engine, save_dir, tag, merged_state_dict(engine.module), {})
+
+
+def _save_model_only(
+    engine: Glm53Engine, save_dir: str, tag: str, state: dict[str, torch.Tensor], meta: dict[str, Any]
+) -> str:
     staged = StagedTag.begin(save_dir, tag)
     os.makedirs(staged.model_dir, exist_ok=True)
-    meta = dict(engine_layout_record(engine), model_only=True)
-    _write_model(engine, staged.model_dir, merged_state_dict(engine.module), model_placements(engine), meta)
+    meta = dict(engine_layout_record(engine), model_only=True, **meta)
+    _write_model(engine, staged.model_dir, state, model_placements(engine), meta)
     return staged.publish()
+
+
+def export_engine_to_peft(engine: Glm53Engine, out_dir: str, force: bool = False) -> list[str]:
+    """From a running LoRA job: its adapters as a PEFT adapter at `out_dir` (`convert/export_adapter.py`), through
+    a model-only adapter checkpoint in a fresh temporary directory beside it (removed after); returns the notices
+    (what PEFT cannot express), on every rank; a failure is every rank's (`CheckpointError`). Collective."""
+    adapters = {n: t for n, t in engine.module.state_dict().items() if is_lora_param(n)}
+    work = from_rank0(new_temp_dir(f"{out_dir.rstrip('/')}.native") if dist.get_rank() == 0 else None)
+    outcome: tuple[list[str], str | None] = ([], None)
+    try:
+        tag_dir = _save_model_only(
+            engine, work, "adapters", adapters, dict(adapters_only=True, **_lora_meta(engine))
+        )
+        if dist.get_rank() == 0:
+            try:
+                outcome = (native_to_peft(tag_dir, out_dir, force=force), None)
+            except (OSError, ValueError) as e:
+                outcome = ([], f"--export-adapter {out_dir}: {e}")
+        notices, error = from_rank0(outcome)
+    finally:
+        if dist.get_rank() == 0:
+            shutil.rmtree(work, ignore_errors=True)  # created by this run
+    if error is not None:
+        raise CheckpointError(error)
+    return list(notices)
 
 
 def export_engine_to_hf(

@@ -59,6 +59,10 @@ class LoraSpec:
     def scale(self) -> float:
         return self.alpha / self.rank
 
+    def record(self) -> dict[str, Any]:
+        """What checkpoints record of the adapters (their initial seed aside)."""
+        return dict(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=list(self.targets))
+
 
 def _kaiming_a(name: str, shape: Sequence[int], fan_in: int, seed: int) -> torch.Tensor:
     """The initial A of adapter `name` (global `shape`), the same on every rank and at every layout."""

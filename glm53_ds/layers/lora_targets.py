@@ -64,6 +64,7 @@ def apply_lora(model: nn.Module, spec: LoraSpec, etp_group: dist.ProcessGroup | 
         linear.lora = LoraAdapter(f"{name}.lora", weight.shape[1], weight.shape[0], spec, weight)
         linear.register_forward_hook(add_adapter)
         names.append(name)
+    model.lora_spec = spec  # type: ignore[assignment]  # what checkpoints record (engine/checkpoint.py)
     if "experts" in spec.targets:
         for name, experts in model.named_modules():
             if isinstance(experts, GroupedExperts):

@@ -94,7 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "names are replaced and 'latest' moves to this run's (refused without this)")  # fmt: skip
     c.add_argument("--export-hf", help="write a transformers-loadable directory at the end (with --hf-dir's "
                    "tokenizer files); refused if it exists and is not empty, unless --force")  # fmt: skip
-    c.add_argument("--force", action="store_true", help="let --export-hf write into an existing non-empty directory: "
+    c.add_argument("--export-adapter", help="a LoRA run: write its adapters as a PEFT adapter at the end "
+                   "(adapter_config.json + adapter_model.safetensors, transformers' glm5_next module names); "
+                   "refused if it exists and is not empty, unless --force")  # fmt: skip
+    c.add_argument("--force", action="store_true", help="let --export-hf / --export-adapter write into an existing non-empty directory: "
                    "the files it writes replace their namesakes, nothing is deleted")  # fmt: skip
     c.add_argument("--output-dir", help="metrics.jsonl and loss.png (default: runs/<model>)")
     c.add_argument("--check-replicas-interval", type=int, help="also before every save")

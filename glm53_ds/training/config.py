@@ -87,6 +87,7 @@ class TrainConfig:
         False  # a run not resuming from --save may still write there (replacing same-name tags)
     )
     export_hf: str | None = None
+    export_adapter: str | None = None  # a LoRA run's adapters as a PEFT adapter (convert/export_adapter.py)
     force: bool = (
         False  # --export-hf may write into an existing non-empty directory (replacing only its files)
     )
@@ -129,6 +130,7 @@ class TrainConfig:
                 else 0.0
             )
             config = dataclasses.replace(config, router_bias_update_rate=rate)
+        config.check_adapter_export()
         if "output_dir" not in given:
             config = dataclasses.replace(config, output_dir=os.path.join("runs", name))
         config.check_output_paths()
@@ -229,6 +231,23 @@ class TrainConfig:
             rank=self.lora_rank, alpha=alpha, dropout=self.lora_dropout, targets=targets, seed=self.seed
         )
 
+    def check_adapter_export(self) -> None:
+        """--export-adapter writes the adapters alone: refused before any work where the run changes anything else
+        (a PEFT adapter would drop it silently)."""
+        if not self.export_adapter:
+            return
+        if not self.lora_rank:
+            raise SetupError("--export-adapter without --lora-rank: only a LoRA run has adapters to export (use "
+                             "--export-hf for the model)")  # fmt: skip
+        if self.trainable:
+            raise SetupError(f"--export-adapter with --trainable {self.trainable!r}: the run trains tensors besides "
+                             "the adapters, which a PEFT adapter cannot carry; export the merged model "
+                             "(--export-hf)")  # fmt: skip
+        if self.router_bias_update_rate > 0:
+            raise SetupError(f"--export-adapter with --router-bias-update-rate {self.router_bias_update_rate:g}: "
+                             "the router's correction bias changes, which a PEFT adapter cannot carry; export the "
+                             "merged model (--export-hf), or keep the rate at 0 (the LoRA default)")  # fmt: skip
+
     def check_output_paths(self) -> None:
         """Where this run writes, checked before any work (safe_io.check_output_dir): nothing it writes may land
         in an input, the checkout, `.`, or over a non-empty export target without --force."""
@@ -236,6 +255,10 @@ class TrainConfig:
         try:
             if self.export_hf:
                 check_output_dir(self.export_hf, "--export-hf", force=self.force, inputs=inputs,
+                                 outputs={"--save": self.save, "--output-dir": self.output_dir,
+                                          "--export-adapter": self.export_adapter})  # fmt: skip
+            if self.export_adapter:
+                check_output_dir(self.export_adapter, "--export-adapter", force=self.force, inputs=inputs,
                                  outputs={"--save": self.save, "--output-dir": self.output_dir})  # fmt: skip
             if (
                 self.save

@@ -6,7 +6,7 @@
                    tensors), `glm53_ds.build_engine`, and --load
     train_step(s)  one optimizer step over the global batch; one host sync for the NaN check and the logged loss
     save(s)        replica check + checkpoint (engine/checkpoint.py)
-    finish()       final save, loss curve, --export-hf
+    finish()       final save, loss curve, --export-hf, --export-adapter
 `run()` does all of it; `main()` maps failures to exit codes (2: set-up, 3: training stopped).
 """
 
@@ -34,6 +34,7 @@ from ..engine import (
     close_distributed,
     describe_param_groups,
     export_engine_to_hf,
+    export_engine_to_peft,
     init_distributed,
     load_checkpoint,
     read_client_state,
@@ -638,6 +639,13 @@ class Trainer:
             export_engine_to_hf(self.engine, self.cfg, c.export_hf, template=c.hf_dir, force=c.force,
                                 tokenizer=c.tokenizer)  # fmt: skip
             self._say(f"exported {c.export_hf} (transformers layout, step {c.train_iters})")
+        if c.export_adapter:
+            notices = _or_setup_error(lambda: export_engine_to_peft(self.engine, str(c.export_adapter), force=c.force),
+                                      alike=True)  # fmt: skip
+            for notice in notices:
+                self._say(f"--export-adapter: {notice}")
+            self._say(f"exported {c.export_adapter} (PEFT LoRA adapter of transformers' glm5_next, step "
+                      f"{c.train_iters})")  # fmt: skip
 
     def run(self) -> dict[str, Any]:
         self.setup()
@@ -710,10 +718,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def lora_record(spec: LoraSpec | None) -> dict[str, Any] | None:
-    """What a checkpoint records of a run's LoRA adapters (their initial seed aside), None without."""
-    if spec is None:
-        return None
-    return dict(rank=spec.rank, alpha=spec.alpha, dropout=spec.dropout, targets=list(spec.targets))
+    """What a checkpoint records of a run's LoRA adapters, None without."""
+    return None if spec is None else spec.record()
 
 
 def _describe_lora(record: dict[str, Any] | None) -> str:

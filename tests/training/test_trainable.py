@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from peft import PeftModel
 
 import glm53_ds
 from glm53_ds.checkpoint import CheckpointDir
 from glm53_ds.config import Glm53Config
+from glm53_ds.convert.__main__ import main as convert_main
+from glm53_ds.convert.export_adapter import ADAPTER_WEIGHTS
 from glm53_ds.layers.lora import LoraSpec, is_lora_param
 from glm53_ds.layers.lora_targets import apply_lora
 from glm53_ds.training.config import SetupError
@@ -28,7 +31,7 @@ from tests.cli import (
     train_config,
     write_hf_checkpoint,
 )
-from tests.model_fixtures import CONFIG_A
+from tests.model_fixtures import CONFIG_A, load_hf_reference, rel_err
 
 
 def _model():
@@ -71,6 +74,22 @@ def test_the_trainable_rules():
         ),
         (["--lora-rank", "4", "--lora-dropout", "1.5"], r"dropout must be in \[0, 1\)"),
         (["--trainable", "("], r"--trainable '\(': not a regular expression"),
+        (["--export-adapter", "/tmp/glm53-unwritten"], r"--export-adapter without --lora-rank"),
+        (
+            ["--lora-rank", "4", "--export-adapter", "/tmp/glm53-unwritten", "--trainable", "indexer"],
+            r"--trainable 'indexer': the run trains tensors besides the adapters",
+        ),
+        (
+            [
+                "--lora-rank",
+                "4",
+                "--export-adapter",
+                "/tmp/glm53-unwritten",
+                "--router-bias-update-rate",
+                "1e-3",
+            ],
+            r"--router-bias-update-rate 0.001: the router's correction bias changes",
+        ),
     ],
 )
 def test_bad_fine_tuning_options_are_one_error(argv, message):
@@ -97,11 +116,14 @@ def test_a_lora_run_under_ep2_trains_the_adapters_only_and_exports_them_merged(t
     base = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     common = [*QUICK[2:], "--tokenizer", "bytes", "--lora-rank", "4", "--lora-alpha", "8",
               "--check-replicas-interval", "1", "--lr", "1e-2"]  # fmt: skip
-    ck, out = tmp_path / "ck", tmp_path / "export"
+    ck, out, peft_dir = tmp_path / "ck", tmp_path / "export", tmp_path / "peft"
     proc = deepspeed_run(2, *common, "--hf-dir", str(hf), "--ep", "2", "--train-iters", "5", "--save", str(ck),
-                         "--save-interval", "3", "--export-hf", str(out), "--output-dir", str(tmp_path / "a"))  # fmt: skip
+                         "--save-interval", "3", "--export-hf", str(out), "--export-adapter", str(peft_dir),
+                         "--output-dir", str(tmp_path / "a"))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "trains LoRA adapters: " in proc.stderr
+    assert f"exported {peft_dir} (PEFT LoRA adapter" in proc.stderr
+    assert "--export-adapter: the MTP layer's" in proc.stderr  # said, not dropped silently
     # the checkpoint: the adapters and the model's buffers (the router's correction bias), not the frozen base
     saved = CheckpointDir(str(ck))
     assert saved.adapters_only
@@ -131,6 +153,19 @@ def test_a_lora_run_under_ep2_trains_the_adapters_only_and_exports_them_merged(t
                 adapted.add(f"{owner}.{kind}")
     changed = [k for k in base if k not in adapted and not torch.equal(exported[k], base[k])]
     assert changed == [], changed[:5]  # fp32-kept, router bias, norms, indexer, embeddings: the base
+    # the PEFT adapter over transformers' base model gives the merged model's logits (fp32, <= 1e-5)
+    ids = torch.randint(1, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged = load_hf_reference(str(out))(input_ids=ids).logits
+        peft = (
+            PeftModel.from_pretrained(load_hf_reference(str(hf)), str(peft_dir)).eval()(input_ids=ids).logits
+        )
+    assert rel_err(peft, merged) <= 1e-5
+    # the same adapter offline from the checkpoint; a merged export of it needs its base: refused
+    offline = tmp_path / "peft_offline"
+    assert convert_main(["native-to-peft", "--ckpt", str(ck), "--out", str(offline)]) == 0
+    assert (offline / ADAPTER_WEIGHTS).read_bytes() == (peft_dir / ADAPTER_WEIGHTS).read_bytes()
+    assert convert_main(["native-to-hf", "--ckpt", str(ck), "--out", str(tmp_path / "x")]) == 2
 
     # step 3 resumed in one process (EP 1) without --hf-dir: the base it records is loaded (announced), and the
     # run continues the EP2 curve (steps 4-5 within 1e-5)
