@@ -246,6 +246,10 @@ class Glm53Model(nn.Module):
     ) -> torch.Tensor:
         """Embedding -> decoder (streams) -> stream mean [s, b, D] (before the final norm; MTP reads it)."""
         x = self.embedding(self._local(input_ids)).transpose(0, 1)  # [b, s, D] -> [s, b, D]
+        if self.config.recompute_granularity == "full" and torch.is_grad_enabled() and not x.requires_grad:
+            # a frozen embedding (LoRA, --freeze) gives hidden states without a gradient; megatron's full recompute
+            # (a reentrant checkpoint) would then return outputs without one, and the adapters inside get none
+            x = x.detach().requires_grad_()
         packed_seq = None if docs is None else docs.packed_seq_params()
         layer_mask = None if all_real else self._local(mask)  # None: every token is real (known on the host)
         packed = self.decoder(x, attention_mask=layer_mask, packed_seq_params=packed_seq)  # [s*n, b, D]
