@@ -228,6 +228,7 @@ def training_steps(
                     torch.equal(p, base[n]) for n, p in engine.module.named_parameters() if n in base
                 ),
                 frozen=len(base),
+                merged_err=merged_error(engine.module, ref, layout) if case.get("lora") else None,
                 bias_equal_ref=all(torch.equal(a, b) for a, b in zip(biases, ref_biases, strict=True)),
                 bias_moved=any(bool(b.abs().sum() > 0) for b in biases),
                 optimizer_type=type(engine.optimizer).__name__,
@@ -284,6 +285,21 @@ def with_lora(ref, model, layout, rank: int) -> None:  # type: ignore[no-untyped
     apply_lora(model, spec, etp_group=layout.etp_group if layout.etp > 1 else None)
     for m in (ref, model):
         select_trainable(m, lora=True, trainable=None, freeze=None, train_indexer=False)
+
+
+def merged_error(model, ref, layout) -> float:  # type: ignore[no-untyped-def]
+    """The merged export's tensors on this rank (`merged_state_dict`: W + (alpha / r) B A per shard) against this
+    rank's part of the reference's: max relative error over the adapted weights."""
+    from glm53_ds.checkpoint.placement import expert_split, local_part
+    from glm53_ds.layers.lora import merged_state_dict
+
+    mine, theirs = merged_state_dict(model), merged_state_dict(ref)
+    shard = layout.expert_shard(ref.glm)
+    adapted = {n.split(".lora.")[0] for n, _ in model.named_parameters() if ".lora." in n}
+    names = [
+        n for n, t in mine.items() if t is not None and (n.rsplit(".", 1)[0] in adapted or expert_split(n))
+    ]
+    return max(rel_err(mine[n].float(), local_part(n, theirs[n], shard).float()) for n in names)
 
 
 @contextlib.contextmanager
