@@ -1,11 +1,13 @@
 """What a run trains (training/trainable.py): full fine-tuning, LoRA adapters over a frozen base, patterns; and
-LoRA runs end to end (`deepspeed launch/train.py --lora-rank`): EP2 over two ranks with replica checks every step,
+LoRA runs end to end (`deepspeed launch/train.py --lora-rank`, packed chat data): EP2 over two ranks with replica checks every step,
 checkpoints holding the adapters and buffers without the base, the adapters moved, the export the merged
 W + (alpha / r) B A that transformers loads (every other tensor the base, bitwise), a resume in one process over
 the recorded base continuing the EP2 curve (losses within 1e-5), other base weights and other adapters refused
 naming both, a base checkpoint given fresh adapters and its adapter checkpoint resumed over it."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ from glm53_ds.training.presets import tiny
 from glm53_ds.training.trainable import select_trainable
 from tests.cli import (
     QUICK,
+    ROOT,
     deepspeed_run,
     metrics,
     one_error,
@@ -32,6 +35,8 @@ from tests.cli import (
     write_hf_checkpoint,
 )
 from tests.model_fixtures import CONFIG_A, load_hf_reference, rel_err
+
+CHAT = os.path.join(ROOT, "data", "tiny_chat.jsonl")  # packed chat data
 
 
 def _model():
@@ -114,7 +119,7 @@ def test_a_lora_run_under_ep2_trains_the_adapters_only_and_exports_them_merged(t
     write_hf_checkpoint(other_hf, tiny(), seed=1)  # the same shapes, other weights
     model = glm53_ds.load_hf(str(hf))
     base = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    common = [*QUICK[2:], "--tokenizer", "bytes", "--lora-rank", "4", "--lora-alpha", "8",
+    common = ["--data", CHAT, "--pack", "--seq-length", "32", "--tokenizer", "bytes", "--lora-rank", "4", "--lora-alpha", "8",
               "--check-replicas-interval", "1", "--lr", "1e-2"]  # fmt: skip
     ck, out, peft_dir = tmp_path / "ck", tmp_path / "export", tmp_path / "peft"
     proc = deepspeed_run(2, *common, "--hf-dir", str(hf), "--ep", "2", "--train-iters", "5", "--save", str(ck),
