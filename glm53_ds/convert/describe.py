@@ -32,6 +32,12 @@ def describe_checkpoint(path: str, tag: str | None = None, out: Callable[..., ob
     if cfg is not None:
         out(f"  model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
             f"{cfg.n_routed_experts} experts (top-{cfg.num_experts_per_tok}), MTP {cfg.num_nextn_predict_layers}")  # fmt: skip
+    lora = meta.get("lora")
+    if lora is not None:
+        what = "the adapters without their base (resumed over the base the run state records)" if (
+            ckpt.adapters_only) else "the adapters and the base"  # fmt: skip
+        out(f"  LoRA: rank {lora['rank']}, alpha {lora['alpha']:g}, dropout {lora['dropout']:g}, targets "
+            f"{','.join(lora['targets'])}; holds {what}")  # fmt: skip
     problems = ckpt.problems()
     out(
         f"  model files: replicated set + {ep * etp - len(ckpt.missing_expert_sets())}/{ep * etp} expert shards"

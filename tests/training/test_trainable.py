@@ -17,6 +17,7 @@ import glm53_ds
 from glm53_ds.checkpoint import CheckpointDir
 from glm53_ds.config import Glm53Config
 from glm53_ds.convert.__main__ import main as convert_main
+from glm53_ds.convert.describe import describe_checkpoint
 from glm53_ds.convert.export_adapter import ADAPTER_WEIGHTS
 from glm53_ds.layers.lora import LoraSpec, is_lora_param
 from glm53_ds.layers.lora_targets import apply_lora
@@ -171,6 +172,10 @@ def test_a_lora_run_under_ep2_trains_the_adapters_only_and_exports_them_merged(t
     assert convert_main(["native-to-peft", "--ckpt", str(ck), "--out", str(offline)]) == 0
     assert (offline / ADAPTER_WEIGHTS).read_bytes() == (peft_dir / ADAPTER_WEIGHTS).read_bytes()
     assert convert_main(["native-to-hf", "--ckpt", str(ck), "--out", str(tmp_path / "x")]) == 2
+    lines: list[str] = []
+    assert describe_checkpoint(str(ck), out=lines.append) == 0  # complete without the base
+    want = "  LoRA: rank 4, alpha 8, dropout 0, targets mla,kda,mlp,shared_expert,experts; holds the adapters without"
+    assert any(line.startswith(want) for line in lines), lines
 
     # step 3 resumed in one process (EP 1) without --hf-dir: the base it records is loaded (announced), and the
     # run continues the EP2 curve (steps 4-5 within 1e-5)
