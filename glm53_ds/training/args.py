@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--long-documents", choices=["split", "truncate", "drop"], help="packed / chat data: a document "
                    "longer than --seq-length is split into row-sized pieces, cut to its first row, or left out; how "
                    "many were is reported at start-up (default: split)")  # fmt: skip
+    d.add_argument("--valid-data", help="validation data in --data's formats (text, chat .jsonl, --pack): the LM "
+                   "and MTP loss (global token mean, no gradients, dropout off) every --eval-interval steps and at "
+                   "the end, in metrics.jsonl, TensorBoard and loss.png")  # fmt: skip
+    d.add_argument("--eval-interval", type=int, help="steps between evaluations (0: at the end only)")
+    d.add_argument("--eval-iters", type=int, help="global batches (of the training batch size) per evaluation; "
+                   "the same samples every time")  # fmt: skip
+    d.add_argument("--eval-at-start", action="store_true", help="also evaluate before the first step")
     d.add_argument("--tokenizer", help="'bytes' or a tokenizer directory (default: bytes for "
                    "presets, --hf-dir otherwise)")  # fmt: skip
     d.add_argument("--seq-length", type=int)

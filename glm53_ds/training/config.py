@@ -61,6 +61,11 @@ class TrainConfig:
     data: str = DEFAULT_DATA
     tokenizer: str = "bytes"
     pack: bool = False  # documents packed into rows with their boundaries (chat data: always)
+    # validation (training/evaluation.py): K global batches of --valid-data, every N steps and at the end
+    valid_data: str | None = None
+    eval_interval: int = 0  # 0: at the end only
+    eval_iters: int = 10
+    eval_at_start: bool = False
     long_documents: str = "split"  # packed data: a document longer than a row is split, truncated or dropped
     seq_length: int = 64
     micro_batch_size: int = 2
@@ -116,6 +121,7 @@ class TrainConfig:
         given["no_mtp"] = bool(getattr(args, "no_mtp", False))
         given["force"] = bool(getattr(args, "force", False))
         given["save_into_existing"] = bool(getattr(args, "save_into_existing", False))
+        given["eval_at_start"] = bool(getattr(args, "eval_at_start", False))
         hf_dir = given.get("hf_dir")
         given.setdefault("tokenizer", hf_dir if hf_dir else "bytes")
         config = cls(**given)
@@ -152,7 +158,7 @@ class TrainConfig:
         if self.global_batch_size is not None:
             positive("global_batch_size", self.global_batch_size)
         for name in ("train_iters", "warmup", "save_interval", "check_replicas_interval", "log_interval",
-                     "loss_chunk_mib"):  # fmt: skip
+                     "loss_chunk_mib", "eval_interval"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise SetupError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         for name in ("lr", "min_lr", "weight_decay", "clip_grad", "router_bias_update_rate", "aux_loss_coef",
@@ -160,6 +166,14 @@ class TrainConfig:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise SetupError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+        positive("eval_iters", self.eval_iters)
+        if self.valid_data is None:
+            given = [f"--{n.replace('_', '-')}" for n in ("eval_interval", "eval_iters", "eval_at_start")
+                     if getattr(self, n) != TrainConfig.__dataclass_fields__[n].default]  # fmt: skip
+            if given:
+                raise SetupError(f"{', '.join(given)} without --valid-data: give the validation data")
+        elif not os.path.exists(self.valid_data) and not os.path.exists(self.valid_data + ".bin"):
+            raise SetupError(f"--valid-data {self.valid_data!r}: no such file or indexed dataset")
         if self.mtp_loss_weight is not None and not (
             math.isfinite(self.mtp_loss_weight) and self.mtp_loss_weight >= 0
         ):

@@ -1,4 +1,7 @@
-"""Training metrics: JSONL file, optional TensorBoard, and a PNG loss curve at the end (rank 0 only)."""
+"""Training metrics: JSONL file, optional TensorBoard, and a PNG loss curve at the end (rank 0 only).
+
+metrics.jsonl holds one record per optimizer step (`StepMetrics`) and one per evaluation (`step` and `valid_*`
+keys: `Trainer.evaluate`); TensorBoard gets them as `train/<key>` and `valid/<key>`."""
 
 from __future__ import annotations
 
@@ -64,12 +67,19 @@ class MetricsWriter:
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, int | float):
-                    self._tb.add_scalar(f"train/{key}", value, record["step"])
+                    tag = (
+                        f"valid/{key.removeprefix('valid_')}" if key.startswith("valid_") else f"train/{key}"
+                    )
+                    self._tb.add_scalar(tag, value, record["step"])
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def is_validation(record: dict[str, Any]) -> bool:
+    return "valid_lm_loss" in record
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
@@ -98,12 +108,21 @@ def plot_loss(metrics_path: str, png_path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_metrics(metrics_path)
+    everything = read_metrics(metrics_path)
+    records = [r for r in everything if not is_validation(r)]
+    valid = [r for r in everything if is_validation(r)]
     steps = [r["step"] for r in records]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     ax.plot(steps, [r["lm_loss"] for r in records], label="LM loss")
     if any("mtp_loss" in r for r in records):
         ax.plot(steps, [r.get("mtp_loss", float("nan")) for r in records], label="MTP loss")
+    if valid:
+        ax.plot(
+            [r["step"] for r in valid], [r["valid_lm_loss"] for r in valid], "o-", label="validation LM loss"
+        )
+        if any("valid_mtp_loss" in r for r in valid):
+            ax.plot([r["step"] for r in valid], [r.get("valid_mtp_loss", float("nan")) for r in valid], "s--",
+                    label="validation MTP loss")  # fmt: skip
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)

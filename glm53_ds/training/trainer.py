@@ -227,6 +227,9 @@ class Trainer:
         self._engine: Glm53Engine | None = None
         self.layout: ParallelLayout | None = None
         self.stream: SampleStream | PackedRowStream | None = None
+        self.valid: SampleStream | PackedRowStream | None = None  # --valid-data
+        self.evaluated: int | None = None  # the step of the last evaluation
+        self.last_valid: dict[str, Any] | None = None  # its record
         self.start_step = 0
         self.load_tag: str | None = None  # --load's tag, verified in setup()
         self.base_only = False  # a LoRA run whose --load holds no adapters: its weights are the base
@@ -313,6 +316,17 @@ class Trainer:
         if self.rank == 0:
             for notice in self.stream.notices:
                 print(notice, file=sys.stderr)
+        if c.valid_data:
+            valid_data = c.valid_data
+
+            def valid_stream() -> SampleStream | PackedRowStream:
+                return open_stream(valid_data, tokenizer, cache_dir, c.seq_length, c.seed, cfg.vocab_size, c.pack,
+                                   c.long_documents)  # fmt: skip
+
+            first_valid = agreed(valid_stream if self.rank == 0 else lambda: None)
+            later_valid = agreed(valid_stream if self.rank != 0 else lambda: None)
+            self.valid = first_valid if self.rank == 0 else later_valid
+            self._say(self._describe_validation())
         if (
             c.load
         ):  # another model config, or another layout without layout-free state: refused before any work
@@ -367,6 +381,17 @@ class Trainer:
             print(f"--global-batch-size {c.global_batch_size}: the checkpoint trained with {saved} sequences per "
                   f"step; this run continues with {c.global_batch_size}", file=sys.stderr)  # fmt: skip
         return int(saved) if saved else None
+
+    def _describe_validation(self) -> str:
+        assert self.valid is not None
+        c, wanted = self.config, self.config.eval_iters * self.plan.global_batch
+        when = f"every {c.eval_interval} steps and at the end" if c.eval_interval else "at the end"
+        line = (f"validation: --valid-data {c.valid_data}: {self.valid.num_samples} samples; each evaluation "
+                f"({when}{', and at the start' if c.eval_at_start else ''}) reads the same {c.eval_iters} x "
+                f"{self.plan.global_batch} = {wanted}")  # fmt: skip
+        if wanted > self.valid.num_samples:
+            line += " (more than it holds: some samples are read twice; lower --eval-iters to avoid it)"
+        return line
 
     def _lora_against_load(self) -> bool:
         """Whether --load gives a LoRA run its base only (a checkpoint without adapters: fresh adapters, optimizer
@@ -539,6 +564,44 @@ class Trainer:
             indexer_loss=reduced.indexer_loss if c.indexer_loss_coef > 0 else None,
         )  # fmt: skip
 
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """The validation loss after `step` steps: --eval-iters global batches of --valid-data (the same samples at
+        every evaluation and at every layout, read as training reads its batches), the model in eval mode (dropout
+        off) without gradients; LM and MTP loss as global token means (`_token_normalizers`, `_reduce`). The
+        training data position, the RNG and the router's load counts are left as they were, so a run with
+        evaluation trains exactly as one without. Logged as a metrics.jsonl record (`valid_*`) and one line."""
+        c, plan, layout = self.config, self.plan, self.layout
+        assert self.valid is not None and layout is not None
+        model = self.engine.module
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        model.eval()
+        try:
+            with torch.no_grad():
+                batches = [self.valid.micro_batch(k * plan.global_batch, micro, layout.data_rank, layout.data_world,
+                                                  c.micro_batch_size).to(self.engine.device)
+                           for k in range(c.eval_iters) for micro in range(plan.gas)]  # fmt: skip
+                normalizers, counts = self._token_normalizers(batches)
+                parts = [model(b.input_ids, **b.model_kwargs(), return_parts=True, token_normalizers=normalizers)
+                         for b in batches]  # fmt: skip
+                _, reduced = self._reduce(parts, counts)
+        finally:
+            model.train()
+            torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+        record: dict[str, Any] = {"step": step, "valid_lm_loss": reduced.lm_loss}
+        line = f"validation at step {step}: lm_loss {reduced.lm_loss:.4f}"
+        if model.mtp is not None:
+            record["valid_mtp_loss"] = reduced.mtp_loss
+            line += f", mtp_loss {reduced.mtp_loss:.4f}"
+        record["valid_target_tokens"] = reduced.target_tokens
+        self._say(f"{line} ({reduced.target_tokens} target tokens)")
+        if self.writer is not None:
+            self.writer.write(record)
+        self.evaluated, self.last_valid = step, record
+        return record
+
     def _token_normalizers(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per loss (LM, each MTP depth): the global batch's target count / (micro-batches x data ranks). Each
         micro-batch's loss is its token sum divided by it, so the micro-batch losses, averaged by DeepSpeed over
@@ -554,11 +617,22 @@ class Trainer:
         totals = torch.cat([counts, real])
         if self.world > 1:
             dist.all_reduce(totals)
-        return totals[:-1].double() / (self.plan.gas * self.plan.data_world), totals[[0, -1]]
+        return totals[:-1].double() / (len(batches) * self.plan.data_world), totals[[0, -1]]
 
     def _reduce_and_check(self, step: int, parts: list[LossParts], counts: torch.Tensor) -> _StepReduction:
         """One all-reduce and one host sync per step: which micro-batches were not finite anywhere, and the
         losses to log (means over micro-batches and data ranks, sums over SP ranks: the global token mean)."""
+        bad, reduced = self._reduce(parts, counts)
+        if bad:
+            raise TrainingStopped(
+                f"loss is {reduced.loss} at step {step + 1} (micro-batch {bad[0]}); training stopped before "
+                f"updating the weights. {self._last_good()}"
+            )
+        return reduced
+
+    def _reduce(self, parts: list[LossParts], counts: torch.Tensor) -> tuple[list[int], _StepReduction]:
+        """(the micro-batches not finite on some rank, the global token means) of micro-batch losses made with
+        `_token_normalizers`' normalizers: one all-reduce, one host read."""
         flags = torch.stack([(~torch.isfinite(p.total.detach())).float() for p in parts])
         zero = torch.zeros((), device=flags.device)
 
@@ -567,7 +641,7 @@ class Trainer:
             return torch.stack([p.total.detach(), p.lm.detach(), *optional])
 
         per_micro = torch.stack([row(p) for p in parts]).float()  # [micro, 4]
-        sums = per_micro.sum(0) / (self.plan.gas * self.plan.data_world)
+        sums = per_micro.sum(0) / (len(parts) * self.plan.data_world)
         packed = torch.cat([flags, sums]).double()
         if self.world > 1:
             dist.all_reduce(packed)
@@ -576,12 +650,7 @@ class Trainer:
             values[: len(parts)], values[len(parts) : -2], values[-2:]
         )  # fmt: skip
         bad = [i for i, f in enumerate(flags_out) if f > 0]
-        if bad:
-            raise TrainingStopped(
-                f"loss is {total} at step {step + 1} (micro-batch {bad[0]}); training stopped before "
-                f"updating the weights. {self._last_good()}"
-            )
-        return _StepReduction(total, lm, mtp, indexer, int(targets), int(real))
+        return bad, _StepReduction(total, lm, mtp, indexer, int(targets), int(real))
 
     def _last_good(self) -> str:
         """Where a stopped run can be resumed from: the last checkpoint it saved, or what it started from."""
@@ -617,12 +686,17 @@ class Trainer:
             self.writer.write(record)
         if self.progress is not None:
             self.progress.update(1)
-            self.progress.set_postfix(lm_loss=f"{record['lm_loss']:.3f}", lr=f"{record['lr']:.2e}")
+            shown = {"lm_loss": f"{record['lm_loss']:.3f}", "lr": f"{record['lr']:.2e}"}
+            if self.last_valid is not None:  # the latest validation loss beside the training one
+                shown["valid_lm_loss"] = f"{self.last_valid['valid_lm_loss']:.3f}"
+            self.progress.set_postfix(**shown)
             if self.config.log_interval and record["step"] % self.config.log_interval == 0:
                 self.progress.write(format_record(record))
 
     def finish(self) -> None:
         c = self.config
+        if self.valid is not None and self.evaluated != c.train_iters:
+            self.evaluate(c.train_iters)
         if (
             c.save
             and (not c.save_interval or c.train_iters % c.save_interval)
@@ -651,8 +725,12 @@ class Trainer:
         self.setup()
         c = self.config
         assert self.layout is not None
+        if self.valid is not None and c.eval_at_start:
+            self.evaluate(self.start_step)
         for step in range(self.start_step, c.train_iters):
             self._log(self.train_step(step).as_record())
+            if self.valid is not None and c.eval_interval and (step + 1) % c.eval_interval == 0:
+                self.evaluate(step + 1)
             if c.check_replicas_interval and (step + 1) % c.check_replicas_interval == 0:
                 check_replicas(self.engine.module, self.layout)
             if c.save and c.save_interval and (step + 1) % c.save_interval == 0:
