@@ -1,0 +1,11 @@
+"""Know before you launch: one rank's memory at a layout (`python -m glm53_ds.plan`).
+
+`counts.py` counts the parameters one rank holds exactly, from the model built on the meta device at the config
+and layout; `state.py` turns them into the bytes of weights, gradients, fp32 masters and Adam moments as the engine
+holds them. Activations are not modelled yet: the planner says so rather than guess.
+"""
+
+from .counts import ParameterCounts, count_parameters
+from .state import StateBytes, state_bytes
+
+__all__ = ["ParameterCounts", "StateBytes", "count_parameters", "state_bytes"]

@@ -1,0 +1,76 @@
+"""Exact parameter counts of one rank at a layout, from the model itself built on the meta device.
+
+`count_parameters(cfg, ep, etp, lora_rank, mtp)` builds `Glm53Model` on the meta device (no memory, under a second
+at the released size) with every expert whole, applies the LoRA adapters the run would (`apply_lora`,
+`select_trainable`), and restates each tensor at one rank of the layout through the shard rule the model and the
+checkpoints use (`checkpoint/placement.py`, from `ExpertShard`): a replicated tensor whole, a grouped expert tensor
+(and its adapters) as that rank's slice. Every rank of a layout holds the same counts (experts divide evenly over EP,
+their FFN over ETP). Kinds: `replicated` (attention, dense MLP, shared expert, router, norms, mHC `fn`, embeddings),
+`expert` (the routed experts), `fp32_kept` (the tensors transformers keeps in fp32 in a bf16 model), each split
+into trained and frozen; buffers apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from ..checkpoint.placement import expert_split, placement
+from ..config import Glm53Config
+from ..engine.fp32_params import fp32_kept_names
+from ..layers.lora import LoraSpec
+from ..layers.lora_targets import apply_lora
+from ..model import build_model
+from ..parallel.expert_shard import ExpertShard
+from ..training.trainable import select_trainable
+
+KINDS = ("replicated", "expert", "fp32_kept")
+
+
+@dataclass
+class ParameterCounts:
+    """Elements one rank holds, by kind and whether they train; the model's totals (one replica of everything)."""
+
+    trained: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    frozen: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    buffers: int = 0  # elements of the model's buffers (the router's correction bias, ...): fp32
+    total: int = 0  # every parameter of the whole model (all experts)
+    active: int = 0  # parameters one token computes with: all but the routed experts it is not sent to
+    tensors: int = 0  # parameter tensors on the rank
+
+    def held(self, kind: str) -> int:
+        return self.trained[kind] + self.frozen[kind]
+
+
+def count_parameters(
+    cfg: Glm53Config, ep: int = 1, etp: int = 1, lora_rank: int = 0, lora_alpha: float | None = None,
+    lora_targets: tuple[str, ...] | None = None, mtp: bool = True, train_indexer: bool = False,
+) -> ParameterCounts:  # fmt: skip
+    """One rank's counts at EP `ep` x ETP `etp` (a LoRA run of rank `lora_rank` when > 0)."""
+    shard = ExpertShard.for_config(cfg, ep, 0, etp, 0)
+    with torch.device("meta"):
+        model = build_model(cfg, dtype=torch.bfloat16, mtp=mtp and cfg.num_nextn_predict_layers > 0,
+                            perform_initialization=False)  # fmt: skip
+        if lora_rank:
+            spec = LoraSpec(rank=lora_rank, alpha=float(lora_alpha or lora_rank))
+            if lora_targets:
+                spec = dataclasses.replace(spec, targets=tuple(lora_targets))
+            apply_lora(model, spec)
+    select_trainable(model, lora=bool(lora_rank), trainable=None, freeze=None, train_indexer=train_indexer)
+    kept = set(fp32_kept_names(model))
+    out = ParameterCounts()
+    experts_per_token = cfg.num_experts_per_tok
+    for name, p in model.named_parameters():
+        out.total += p.numel()
+        split = expert_split(name)
+        local = placement(name, tuple(p.shape), shard).local_shape
+        numel = int(torch.Size(local).numel())
+        kind = "expert" if split is not None else ("fp32_kept" if name in kept else "replicated")
+        (out.trained if p.requires_grad else out.frozen)[kind] += numel
+        out.tensors += 1
+        # a token uses top-k of the routed experts (their adapters too), everything else whole
+        out.active += p.numel() if split is None else p.numel() // cfg.n_routed_experts * experts_per_token
+    out.buffers = sum(b.numel() for b in model.buffers())
+    return out

@@ -1,0 +1,73 @@
+"""Training-state bytes of one rank: weights, gradients, fp32 masters and Adam moments, as the engine holds them.
+
+From exact parameter counts (`counts.py`) and the partition rule of DeepSpeed 0.19.8 as `glm53_ds.build_engine`
+configures it: replicated tensors are partitioned over the engine's data-parallel group (WORLD / ETP ranks), expert
+tensors over their expert-data-parallel group (WORLD / (EP x ETP)); frozen tensors (a LoRA run's base) hold their
+weight only.
+
+    weights      every held tensor in the training dtype (bf16: 2 bytes; the fp32-kept ones and buffers 4)
+    gradients    trained tensors: ZeRO 0 / 1 a whole gradient in the training dtype, ZeRO 2 its partition; plus
+                 the fp32 gradient of the rank's partition at the step (ZeRO 1 / 2) or of the whole master (bf16 at
+                 stage 0: DeepSpeed's FP16_UnfusedOptimizer)
+    masters      fp32 copies of the trained tensors' partitions (ZeRO >= 1), of the whole tensors (bf16 at stage
+                 0); none for an fp32 stage-0 run (the weight is the master)
+    moments      Adam's two fp32 moments of the partition (of the whole tensor at stage 0)
+    fp32-kept    in a bf16 run, HF's fp32-kept tensors train outside DeepSpeed (engine/fp32_params.py):
+                 a whole fp32 gradient and two moments on every rank
+Reduction buckets and other communication buffers are not in these numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .counts import ParameterCounts
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    weights: int
+    gradients: int
+    masters: int
+    moments: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.masters + self.moments
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(asdict(self), total=self.total)
+
+
+def state_bytes(
+    counts: ParameterCounts, world: int, ep: int, etp: int, zero_stage: int, bf16: bool
+) -> StateBytes:
+    """One rank's training state at the layout (`world` ranks, `ep` x `etp`), ZeRO `zero_stage`, bf16 or fp32."""
+    if zero_stage not in (0, 1, 2):
+        raise ValueError(f"ZeRO stage {zero_stage}: glm53_ds trains with stages 0, 1 and 2")
+    if world % (ep * etp):
+        raise ValueError(f"world {world} is not a multiple of EP x ETP = {ep * etp}")
+    width = 2 if bf16 else 4
+    groups = {"replicated": world // etp, "expert": world // (ep * etp)}
+    kept_held = counts.held("fp32_kept")
+    weights = width * (counts.held("replicated") + counts.held("expert")) + 4 * (kept_held + counts.buffers)
+    gradients = masters = moments = 0
+    deepspeed_kinds = ("replicated", "expert") + (() if bf16 else ("fp32_kept",))
+    for kind in deepspeed_kinds:
+        trained = counts.trained[kind]
+        group = groups["replicated" if kind == "fp32_kept" else kind]
+        part = -(-trained // group)  # ceil: the padded partition
+        if zero_stage == 0:  # nothing partitioned; bf16: fp32 masters with their own gradients
+            gradients += width * trained + (4 * trained if bf16 else 0)
+            masters += 4 * trained if bf16 else 0
+            moments += 8 * trained
+            continue
+        gradients += (width * trained if zero_stage == 1 else width * part) + 4 * part
+        masters += 4 * part
+        moments += 8 * part
+    if bf16:  # the fp32-kept tensors' own optimizer, replicated
+        gradients += 4 * counts.trained["fp32_kept"]
+        moments += 8 * counts.trained["fp32_kept"]
+    return StateBytes(weights, gradients, masters, moments)

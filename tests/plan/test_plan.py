@@ -1,0 +1,137 @@
+"""The planner (`glm53_ds/plan/`): its parameter counts against the model built for real, its training-state bytes
+against what DeepSpeed engines hold (exact: weights, fp32 masters and Adam moments, every ZeRO stage, bf16 and
+fp32, LoRA and full; per rank at EP2 over four ranks, where ZeRO partitions), the released model's exact counts,
+and the command line.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import glm53_ds
+from glm53_ds.layers.lora import LoraSpec
+from glm53_ds.layers.lora_targets import apply_lora
+from glm53_ds.plan import count_parameters, state_bytes
+from glm53_ds.plan.__main__ import main as plan_main
+from glm53_ds.training.presets import glm53_flash, tiny
+from glm53_ds.training.trainable import select_trainable
+from tests.dist_harness import run_world
+
+DS = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+      "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}  # fmt: skip
+
+
+def _nbytes(tensors) -> int:  # type: ignore[no-untyped-def]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def engine_state(stage: int, bf16: bool, lora: int, layout=None) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """One step of the tiny model's engine; the bytes it holds: weights, fp32 masters, Adam moments."""
+    cfg = tiny()
+    torch.manual_seed(0)
+    extra = (
+        {}
+        if layout is None
+        else dict(expert_model_parallel_size=layout.ep, pg_collection=layout.pg_collection)
+    )
+    model = glm53_ds.build_model(cfg, dtype=torch.bfloat16 if bf16 else torch.float32, **extra)
+    if lora:
+        apply_lora(model, LoraSpec(rank=lora, alpha=2.0 * lora))
+    select_trainable(model, lora=bool(lora), trainable=None, freeze=None, train_indexer=False)
+    config = dict(DS, zero_optimization={"stage": stage}, bf16={"enabled": bf16})
+    engine = glm53_ds.build_engine(model, config, layout=layout)
+    ids = torch.randint(1, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(ids, labels=ids))
+    engine.step()
+    opt = engine.optimizer
+    optimizers = [getattr(opt, "optimizer", opt)]
+    if engine.fp32_params is not None and engine.fp32_params.optimizer is not None:
+        optimizers.append(engine.fp32_params.optimizer)
+    moments = _nbytes([t for o in optimizers for s in o.state.values() for k, t in s.items()
+                       if k in ("exp_avg", "exp_avg_sq")])  # fmt: skip
+    masters = 0
+    for attr in (
+        "single_partition_of_fp32_groups",
+        "fp32_groups",
+    ):  # ZeRO 1 / 2; FP16_UnfusedOptimizer (bf16, 0)
+        if hasattr(opt, attr):
+            masters = _nbytes([t for g in getattr(opt, attr) for t in (g if isinstance(g, list) else [g])])
+            break
+    weights = _nbytes(list(engine.module.parameters()) + list(engine.module.buffers()))
+    return dict(weights=weights, masters=masters, moments=moments)
+
+
+CASES = [(0, False, 0), (1, False, 0), (2, False, 0), (0, True, 0), (1, True, 0), (2, True, 0), (1, True, 4),
+         (2, False, 4)]  # fmt: skip
+
+
+@pytest.mark.parametrize("stage, bf16, lora", CASES)
+def test_state_bytes_are_what_the_engine_holds(stage, bf16, lora):
+    measured = engine_state(stage, bf16, lora)
+    planned = state_bytes(count_parameters(tiny(), lora_rank=lora), 1, 1, 1, stage, bf16).as_dict()
+    assert {k: planned[k] for k in measured} == measured
+
+
+def test_counts_are_the_built_models():
+    cfg = tiny()
+    for lora in (0, 4):
+        model = glm53_ds.build_model(cfg)
+        if lora:
+            apply_lora(model, LoraSpec(rank=lora, alpha=8.0))
+        select_trainable(model, lora=bool(lora), trainable=None, freeze=None, train_indexer=False)
+        counts = count_parameters(cfg, lora_rank=lora)
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+        assert sum(counts.trained.values()) == trained and sum(counts.frozen.values()) == frozen
+        assert counts.total == trained + frozen and counts.buffers == sum(b.numel() for b in model.buffers())
+        experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        assert counts.held("expert") == experts
+
+
+def test_the_released_models_exact_counts():
+    """GLM-5.3-Flash (the released config, MTP included): 320,759,410,430 parameters, 17,762,889,470 of them active
+    per token (every non-routed parameter and 8 of 288 routed experts); at EP 32 x ETP 2 one rank holds 1/64 of
+    the routed experts' parameters."""
+    cfg = glm53_flash()
+    whole = count_parameters(cfg)
+    assert (whole.total, whole.active) == (320_759_410_430, 17_762_889_470)
+    sharded = count_parameters(cfg, ep=32, etp=2)
+    assert sharded.held("expert") * 64 == whole.held("expert")
+    assert sharded.held("replicated") == whole.held("replicated")
+
+
+def rank_state(cases: list[tuple[int, bool, int]]) -> list[dict[str, int]]:
+    from tests.dist_harness import setup_ranks
+
+    layout = setup_ranks(2, 1)
+    return [engine_state(*case, layout=layout) for case in cases]
+
+
+@pytest.mark.slow
+def test_partitions_per_rank_at_ep2_over_four_ranks(tmp_path):
+    """World 4, EP 2: replicated tensors partitioned over 4 ranks, experts over their 2 expert-data-parallel ranks
+    (with DeepSpeed's padding: the planner rounds each partition up)."""
+    cases = [(1, False, 0), (2, True, 0), (1, True, 4)]
+    results = run_world(4, rank_state, tmp_path, cases=cases)
+    for i, (stage, bf16, lora) in enumerate(cases):
+        planned = state_bytes(count_parameters(tiny(), ep=2, lora_rank=lora), 4, 2, 1, stage, bf16).as_dict()
+        for rank_result in results:
+            measured = rank_result[i]
+            assert measured["weights"] == planned["weights"], (stage, bf16, lora, measured, planned)
+            for key in ("masters", "moments"):  # padding: within 64 elements of fp32 per group
+                assert abs(measured[key] - planned[key]) <= 4 * 64 * (3 if key == "moments" else 1), (
+                    stage, bf16, lora, key, measured, planned)  # fmt: skip
+
+
+def test_the_command_line(capsys):
+    assert plan_main(["--model-config", "tiny", "--world", "2", "--ep", "2", "--zero", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["bytes_per_rank"]["total"] == sum(result["bytes_per_rank"][k] for k in
+                                                    ("weights", "gradients", "masters", "moments"))  # fmt: skip
+    assert plan_main(["--model-config", "tiny", "--world", "3", "--ep", "2"]) == 2
+    assert "world 3 is not a multiple of EP x ETP = 2" in capsys.readouterr().err
+    assert plan_main(["--model-config", "tiny", "--world", "1", "--gpu-memory", "lots"]) == 2
+    assert "--gpu-memory 'lots'" in capsys.readouterr().err
