@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--valid-data", help="validation data in --data's formats (text, chat .jsonl, --pack): the LM "
                    "and MTP loss (global token mean, no gradients, dropout off) every --eval-interval steps and at "
                    "the end, in metrics.jsonl, TensorBoard and loss.png")  # fmt: skip
+    d.add_argument("--valid-split", type=float, help="instead of --valid-data: hold out this fraction of --data's "
+                   "samples (its last ones; at most 0.5) for validation; training reads the rest")  # fmt: skip
     d.add_argument("--eval-interval", type=int, help="steps between evaluations (0: at the end only)")
     d.add_argument("--eval-iters", type=int, help="global batches (of the training batch size) per evaluation; "
                    "the same samples every time")  # fmt: skip

@@ -63,6 +63,7 @@ class TrainConfig:
     pack: bool = False  # documents packed into rows with their boundaries (chat data: always)
     # validation (training/evaluation.py): K global batches of --valid-data, every N steps and at the end
     valid_data: str | None = None
+    valid_split: float = 0.0  # or the last fraction of --data held out
     eval_interval: int = 0  # 0: at the end only
     eval_iters: int = 10
     eval_at_start: bool = False
@@ -167,12 +168,20 @@ class TrainConfig:
             if not math.isfinite(value) or value < 0:
                 raise SetupError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
         positive("eval_iters", self.eval_iters)
-        if self.valid_data is None:
+        if not (math.isfinite(self.valid_split) and 0.0 <= self.valid_split <= 0.5):
+            raise SetupError(f"--valid-split must be in [0, 0.5] (the fraction of --data held out), got "
+                             f"{self.valid_split}")  # fmt: skip
+        if self.valid_split and self.valid_data:
+            raise SetupError("--valid-split with --valid-data: give one validation source")
+        if self.valid_data is None and not self.valid_split:
             given = [f"--{n.replace('_', '-')}" for n in ("eval_interval", "eval_iters", "eval_at_start")
                      if getattr(self, n) != TrainConfig.__dataclass_fields__[n].default]  # fmt: skip
             if given:
-                raise SetupError(f"{', '.join(given)} without --valid-data: give the validation data")
-        elif not os.path.exists(self.valid_data) and not os.path.exists(self.valid_data + ".bin"):
+                raise SetupError(f"{', '.join(given)} without --valid-data or --valid-split: give the validation "
+                                 "data")  # fmt: skip
+        elif self.valid_data and not (
+            os.path.exists(self.valid_data) or os.path.exists(self.valid_data + ".bin")
+        ):
             raise SetupError(f"--valid-data {self.valid_data!r}: no such file or indexed dataset")
         if self.mtp_loss_weight is not None and not (
             math.isfinite(self.mtp_loss_weight) and self.mtp_loss_weight >= 0

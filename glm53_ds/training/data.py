@@ -39,6 +39,7 @@ from .packing import (
     byte_chat_template,
     chat_messages,
     render_chat,
+    subset_identity,
 )
 
 BYTE_EOD, BYTE_PAD = 256, 257
@@ -299,7 +300,7 @@ class SampleStream:
         """What fixes the sample order (a resume with other values would re-read or skip samples): the corpus
         (its size and content fingerprint), the sample length and the seed."""
         return {"tokens": int(len(self.tokens)), "seq_length": self.seq_length, "seed": self.seed,
-                "fingerprint": self.fingerprint}  # fmt: skip
+                "fingerprint": self.fingerprint, **subset_identity(self.order)}  # fmt: skip
 
     def sample(self, index: int) -> torch.Tensor:
         """The `index`-th sample of the run ([seq_length + 1] int64), cycling epochs."""

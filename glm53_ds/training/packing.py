@@ -68,10 +68,11 @@ class Batch:
 
 
 class SeededOrder:
-    """Samples 0 .. num_samples - 1 in a permutation fixed by the seed, re-shuffled every epoch (seed + epoch)."""
+    """Samples first .. first + num_samples - 1 in a permutation fixed by the seed, re-shuffled every epoch
+    (seed + epoch); `first` > 0 for the part of a corpus a stream is restricted to (`restrict_stream`)."""
 
-    def __init__(self, num_samples: int, seed: int) -> None:
-        self.num_samples, self.seed = num_samples, seed
+    def __init__(self, num_samples: int, seed: int, first: int = 0, restricted: bool = False) -> None:
+        self.num_samples, self.seed, self.first, self.restricted = num_samples, seed, first, restricted
         self._epoch, self._order = -1, np.empty(0, dtype=np.int64)
 
     def __call__(self, index: int) -> int:
@@ -80,7 +81,7 @@ class SeededOrder:
         if epoch != self._epoch:
             g = torch.Generator().manual_seed(self.seed + epoch)
             self._order, self._epoch = torch.randperm(self.num_samples, generator=g).numpy(), epoch
-        return int(self._order[pos])
+        return self.first + int(self._order[pos])
 
     @staticmethod
     def positions(consumed: int, micro: int, rank: int, world: int, micro_batch: int) -> range:
@@ -88,6 +89,31 @@ class SeededOrder:
         then rank, then row, so a global batch is the same samples at any world size."""
         base = consumed + (micro * world + rank) * micro_batch
         return range(base, base + micro_batch)
+
+
+def subset_identity(order: SeededOrder) -> dict[str, object]:
+    """A restricted stream's part of the corpus, for its identity (nothing for a whole one: older checkpoints
+    match)."""
+    return {"samples": [order.first, order.first + order.num_samples]} if order.restricted else {}
+
+
+def restrict_stream(stream: Any, start: int, stop: int) -> None:
+    """Read only samples [start, stop) of the stream's corpus (in its own seeded order)."""
+    stream.order = SeededOrder(stop - start, stream.seed, first=start, restricted=True)
+    stream.num_samples = stop - start
+
+
+def hold_out(train: Any, valid: Any, fraction: float) -> int:
+    """`--valid-split`: the last `fraction` of the corpus's samples (at least one) to `valid`, the rest to `train`
+    (two streams over the same corpus); returns how many were held out."""
+    n = train.num_samples
+    held = max(1, round(fraction * n))
+    if held >= n:
+        raise ValueError(f"--valid-split {fraction:g}: holds out {held} of the {n} samples of --data, leaving none "
+                         "to train on")  # fmt: skip
+    restrict_stream(train, 0, n - held)
+    restrict_stream(valid, n - held, n)
+    return held
 
 
 # ----------------------------------------------------------------------------- chat rendering
@@ -346,8 +372,9 @@ class PackedRowStream:
 
     @property
     def identity(self) -> dict[str, object]:
-        return {"rows": self.num_samples, "seq_length": self.seq_length, "seed": self.seed,
-                "targets": int(self.meta["targets"]), "fingerprint": self.meta.get("fingerprint", "")}  # fmt: skip
+        return {"rows": int(self.tokens.shape[0]), "seq_length": self.seq_length, "seed": self.seed,
+                "targets": int(self.meta["targets"]), "fingerprint": self.meta.get("fingerprint", ""),
+                **subset_identity(self.order)}  # fmt: skip
 
     def row(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """(tokens, labels, document starts, real tokens) of the row read at run position `index`."""

@@ -53,7 +53,7 @@ from .args import build_parser
 from .config import SetupError, TrainConfig, resolve_model
 from .data import SampleStream, load_tokenizer, open_stream
 from .metrics import MetricsWriter, StepMetrics, plot_loss
-from .packing import Batch, PackedRowStream
+from .packing import Batch, PackedRowStream, hold_out
 from .trainable import select_trainable
 
 __all__ = ["SetupError", "Trainer", "TrainingStopped", "main"]
@@ -316,6 +316,10 @@ class Trainer:
         if self.rank == 0:
             for notice in self.stream.notices:
                 print(notice, file=sys.stderr)
+        if c.valid_split:  # a second stream over the same cache, restricted to the held-out samples
+            self.valid = stream()
+            _or_setup_error(lambda: hold_out(self.stream, self.valid, c.valid_split), alike=True)
+            self._say(self._describe_validation())
         if c.valid_data:
             valid_data = c.valid_data
 
@@ -386,7 +390,10 @@ class Trainer:
         assert self.valid is not None
         c, wanted = self.config, self.config.eval_iters * self.plan.global_batch
         when = f"every {c.eval_interval} steps and at the end" if c.eval_interval else "at the end"
-        line = (f"validation: --valid-data {c.valid_data}: {self.valid.num_samples} samples; each evaluation "
+        source = (
+            f"--valid-data {c.valid_data}" if c.valid_data else f"--valid-split {c.valid_split:g} of --data"
+        )
+        line = (f"validation: {source}: {self.valid.num_samples} samples; each evaluation "
                 f"({when}{', and at the start' if c.eval_at_start else ''}) reads the same {c.eval_iters} x "
                 f"{self.plan.global_batch} = {wanted}")  # fmt: skip
         if wanted > self.valid.num_samples:

@@ -7,6 +7,7 @@
 - The same at every layout: an EP2 run's validation losses vs one process, within 1e-5 relative (the training
   curve's own bound, tests/training/test_trainer.py); the step-0 evaluations (same weights) within 1e-6.
 - Deterministic: two evaluations of the same weights (the start of two runs) are bitwise equal.
+- `--valid-split`: the held-out samples are never trained on and are in the stream's identity.
 - metrics.jsonl, the loss plot, bad options refused before any work.
 """
 
@@ -18,7 +19,9 @@ from unittest import mock
 import pytest
 
 from glm53_ds.training.config import SetupError
+from glm53_ds.training.data import ByteTokenizer, open_stream
 from glm53_ds.training.metrics import is_validation
+from glm53_ds.training.packing import hold_out
 from tests.cli import QUICK, ROOT, deepspeed_run, metrics, run, tiny_hf_checkpoint, train_config
 
 CORPUS = os.path.join(ROOT, "data", "tiny_corpus.txt")
@@ -103,13 +106,39 @@ def test_evaluation_in_training_mode_would_change_the_training(tmp_path):
     assert right[0] == wrong[0] and right[1:] != wrong[1:]
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["windows", "packed_chat"])
+def test_valid_split_holds_out_the_last_samples(tmp_path, chat):
+    """`--valid-split`: the held-out samples are never read by training (over several epochs), the two parts make
+    the corpus, and the split is in the stream's identity (a resume with another split is refused)."""
+    data = os.path.join(ROOT, "data", "tiny_chat.jsonl") if chat else CORPUS
+    train, valid = (
+        open_stream(data, ByteTokenizer(), str(tmp_path), 32, 3, 300, pack=False) for _ in range(2)
+    )
+    whole = train.num_samples
+    held = hold_out(train, valid, 0.2)
+    assert held == round(0.2 * whole) and train.num_samples + valid.num_samples == whole
+    trained = {train.order(i) for i in range(3 * train.num_samples)}
+    validated = {valid.order(i) for i in range(valid.num_samples)}
+    assert trained == set(range(whole - held)) and validated == set(range(whole - held, whole))
+    assert train.identity["samples"] == [0, whole - held] and valid.identity["samples"] == [
+        whole - held,
+        whole,
+    ]
+    plain = open_stream(data, ByteTokenizer(), str(tmp_path), 32, 3, 300, pack=False)
+    assert "samples" not in plain.identity  # a whole stream's identity is what checkpoints recorded before
+    with pytest.raises(ValueError, match=r"--valid-split 1: holds out .* leaving none to train on"):
+        hold_out(plain, open_stream(data, ByteTokenizer(), str(tmp_path), 32, 3, 300, pack=False), 1.0)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--eval-interval", "5"], r"--eval-interval without --valid-data"),
+        (["--eval-interval", "5"], r"--eval-interval without --valid-data or --valid-split"),
         (["--eval-at-start"], r"--eval-at-start without --valid-data"),
         (["--valid-data", "/nonexistent/valid.txt"], r"--valid-data '/nonexistent/valid.txt': no such file"),
         (["--valid-data", CORPUS, "--eval-iters", "0"], r"--eval-iters must be >= 1"),
+        (["--valid-split", "0.7"], r"--valid-split must be in \[0, 0.5\]"),
+        (["--valid-split", "0.1", "--valid-data", CORPUS], r"--valid-split with --valid-data: give one"),
     ],
 )
 def test_bad_validation_options_are_one_error(argv, message):
