@@ -24,6 +24,7 @@ setup(
         # triton ships with CUDA torch builds; pinned here so CPU CI can run the kernels in the interpreter.
         "triton": ["triton==3.9.0"],
         "tensorboard": ["tensorboard==2.21.0"],
+        "wandb": ["wandb==0.31.0"],  # --wandb-project
         # The exact stack CI tests (README's second command installs it).
         "test": [
             "triton==3.9.0",

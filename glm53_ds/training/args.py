@@ -112,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--check-replicas-interval", type=int, help="also before every save")
     c.add_argument("--log-interval", type=int)
     c.add_argument("--tensorboard-dir")
+    c.add_argument("--wandb-project", help="also log the metrics to Weights & Biases (rank 0; pip install "
+                   "\"glm53_ds[wandb]\")")  # fmt: skip
+    c.add_argument("--wandb-mode", choices=["online", "offline"], help="offline: no network, the run is kept "
+                   "under --output-dir for `wandb sync` (default: online)")  # fmt: skip
+    c.add_argument("--wandb-name", help="the W&B run's name (default: W&B's)")
     c.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # set by the launcher
 
     ds = p.add_argument_group("DeepSpeed")

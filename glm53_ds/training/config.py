@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -101,6 +102,9 @@ class TrainConfig:
     check_replicas_interval: int = 0
     log_interval: int = 10
     tensorboard_dir: str | None = None
+    wandb_project: str | None = None  # also log to Weights & Biases (rank 0; the optional wandb extra)
+    wandb_mode: str = "online"  # or "offline": no network, under --output-dir (wandb sync uploads it)
+    wandb_name: str | None = None
     deepspeed_config: str | None = None
 
     def lr_at(self, step: int) -> float:
@@ -183,6 +187,13 @@ class TrainConfig:
             os.path.exists(self.valid_data) or os.path.exists(self.valid_data + ".bin")
         ):
             raise SetupError(f"--valid-data {self.valid_data!r}: no such file or indexed dataset")
+        if self.wandb_mode not in ("online", "offline"):
+            raise SetupError(f"--wandb-mode must be online or offline, got {self.wandb_mode!r}")
+        if self.wandb_project is None and (self.wandb_mode != "online" or self.wandb_name):
+            raise SetupError("--wandb-mode / --wandb-name without --wandb-project: give the W&B project")
+        if self.wandb_project is not None and importlib.util.find_spec("wandb") is None:
+            raise SetupError(f"--wandb-project {self.wandb_project!r}: the wandb package is not installed "
+                             "(pip install \"glm53_ds[wandb]\")")  # fmt: skip
         if self.mtp_loss_weight is not None and not (
             math.isfinite(self.mtp_loss_weight) and self.mtp_loss_weight >= 0
         ):

@@ -1,7 +1,8 @@
 """Training metrics: JSONL file, optional TensorBoard, and a PNG loss curve at the end (rank 0 only).
 
 metrics.jsonl holds one record per optimizer step (`StepMetrics`) and one per evaluation (`step` and `valid_*`
-keys: `Trainer.evaluate`); TensorBoard gets them as `train/<key>` and `valid/<key>`."""
+keys: `Trainer.evaluate`); TensorBoard and Weights & Biases (optional, `WandbRun`) get them as `train/<key>` and
+`valid/<key>`."""
 
 from __future__ import annotations
 
@@ -40,10 +41,29 @@ class StepMetrics:
         return {k: v for k, v in vars(self).items() if v is not None or k not in self.OPTIONAL}
 
 
+@dataclass(frozen=True)
+class WandbRun:
+    """Where a run logs to Weights & Biases (`--wandb-project`): its project, run name, mode ("online", or
+    "offline": written under the output directory, no network; `wandb sync` uploads it later) and the run's
+    configuration."""
+
+    project: str
+    mode: str = "online"
+    name: str | None = None
+    config: dict[str, Any] | None = None
+
+
+def scalar_tag(key: str) -> str:
+    """The TensorBoard / W&B name of a metrics.jsonl key: `valid/<key>` for an evaluation's, else `train/<key>`."""
+    return f"valid/{key.removeprefix('valid_')}" if key.startswith("valid_") else f"train/{key}"
+
+
 class MetricsWriter:
-    def __init__(self, output_dir: str, tensorboard_dir: str | None, resume_step: int | None = None) -> None:
+    def __init__(self, output_dir: str, tensorboard_dir: str | None, resume_step: int | None = None,
+                 wandb_run: WandbRun | None = None) -> None:  # fmt: skip
         """`resume_step`: a resumed run keeps the records up to that step (an interrupted run's later steps are
-        dropped, so no step appears twice); None starts a new file."""
+        dropped, so no step appears twice); None starts a new file. `wandb_run`: also log to W&B (the package is
+        checked for when the options are read: `TrainConfig`)."""
         os.makedirs(output_dir, exist_ok=True)
         self.path = os.path.join(output_dir, "metrics.jsonl")
         kept = []
@@ -60,22 +80,29 @@ class MetricsWriter:
                       "(pip install tensorboard)", file=sys.stderr)  # fmt: skip
             else:
                 self._tb = SummaryWriter(tensorboard_dir)
+        self._wandb: Any = None
+        if wandb_run is not None:
+            import wandb  # an optional extra: pip install "glm53_ds[wandb]"
+
+            self._wandb = wandb.init(project=wandb_run.project, name=wandb_run.name, mode=wandb_run.mode,
+                                     dir=output_dir, config=wandb_run.config)  # fmt: skip
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        scalars = {scalar_tag(k): v for k, v in record.items() if k != "step" and isinstance(v, int | float)}
         if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, int | float):
-                    tag = (
-                        f"valid/{key.removeprefix('valid_')}" if key.startswith("valid_") else f"train/{key}"
-                    )
-                    self._tb.add_scalar(tag, value, record["step"])
+            for tag, value in scalars.items():
+                self._tb.add_scalar(tag, value, record["step"])
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=record["step"])
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def is_validation(record: dict[str, Any]) -> bool:

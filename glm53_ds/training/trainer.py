@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -52,7 +53,7 @@ from ..transformer_config import make_transformer_config
 from .args import build_parser
 from .config import SetupError, TrainConfig, resolve_model
 from .data import SampleStream, load_tokenizer, open_stream
-from .metrics import MetricsWriter, StepMetrics, plot_loss
+from .metrics import MetricsWriter, StepMetrics, WandbRun, plot_loss
 from .packing import Batch, PackedRowStream, hold_out
 from .trainable import select_trainable
 
@@ -363,9 +364,11 @@ class Trainer:
                                                              keep=keep))  # fmt: skip
             self._resume(client)
         if self.rank == 0:
-            self.writer = MetricsWriter(
-                c.output_dir, c.tensorboard_dir, resume_step=self.start_step if c.load else None
-            )
+            wandb_run = None
+            if c.wandb_project:
+                wandb_run = WandbRun(c.wandb_project, c.wandb_mode, c.wandb_name, config=_loggable(c))
+            self.writer = MetricsWriter(c.output_dir, c.tensorboard_dir, resume_step=self.start_step if c.load else None,
+                                        wandb_run=wandb_run)  # fmt: skip
             self.progress = tqdm(total=c.train_iters, initial=self.start_step, desc="train", dynamic_ncols=True,
                                  file=sys.stderr)  # fmt: skip
 
@@ -800,6 +803,13 @@ def main(argv: list[str] | None = None) -> int:
         if trainer is not None:
             trainer.close()
         close_distributed()
+
+
+def _loggable(config: TrainConfig) -> dict[str, Any]:
+    """The run's options as a W&B run configuration (plain values)."""
+    return {
+        k: v for k, v in dataclasses.asdict(config).items() if isinstance(v, str | int | float | bool | None)
+    }
 
 
 def lora_record(spec: LoraSpec | None) -> dict[str, Any] | None:
