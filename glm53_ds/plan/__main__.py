@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{args.model_config}: {counts.total:,} parameters ({counts.active:,} active per token); world "
+    adapters = " with the LoRA adapters" if args.lora_rank else ""
+    print(f"{args.model_config}: {counts.total:,} parameters{adapters} ({counts.active:,} active per token); world "
           f"{args.world}, EP {args.ep}, ETP {args.etp}, ZeRO {args.zero}, {result['dtype']}"
           f"{f', LoRA rank {args.lora_rank}' if args.lora_rank else ''}")  # fmt: skip
     print("per rank, parameters held (trained / frozen):")
