@@ -125,6 +125,29 @@ def hf_grads_by_native(hf_model, cfg, mtp: bool = False) -> dict[str, list[tuple
     return out
 
 
+def check_grads_against_hf(
+    model, ref: dict[str, list[tuple[tuple, torch.Tensor]]], bound: float = 1e-4
+) -> int:
+    """Every gradient of `model` against transformers' (`hf_grads_by_native`), relative to each piece's largest
+    entry, <= `bound` (the MTP layer's skipped; the DSA indexer, which HF runs under no_grad, must have none);
+    returns how many pieces were compared."""
+    checked = 0
+    for name, p in model.named_parameters():
+        if name.startswith("mtp."):
+            continue
+        pieces = ref.get(name)
+        if pieces is None:  # HF computes no gradient (the DSA indexer runs under no_grad)
+            assert ".indexer." in name, name
+            assert p.grad is None or not p.grad.any(), name
+            continue
+        assert p.grad is not None, name
+        for index, expected in pieces:
+            got = p.grad[index] if index else p.grad
+            assert rel_err(got, expected) <= bound, f"{name}{index}: {rel_err(got, expected)}"
+            checked += 1
+    return checked
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()

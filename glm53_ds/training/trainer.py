@@ -238,9 +238,8 @@ class Trainer:
         # adapters and not the base; None where the base has no source to reload (random initial weights)
         self.base: dict[str, Any] | None = None
         self.weights_dir = config.hf_dir  # released-layout weights the model is built from
-        self.base_checkpoint: tuple[str, str] | None = (
-            None  # a native base an adapter checkpoint resumes over
-        )
+        # a native base an adapter checkpoint resumes over
+        self.base_checkpoint: tuple[str, str] | None = None
         self._plan: RunPlan | None = None  # set in setup()
         self.consumed = 0  # samples of the run read so far (the data position checkpoints store)
         self.last_saved: str | None = None
@@ -302,35 +301,31 @@ class Trainer:
         # Rank 0 tokenizes (and packs) once; the others wait, then every rank reads the same cache.
         cache_dir = os.path.join(c.output_dir, "data_cache")
 
-        def stream() -> SampleStream | PackedRowStream:
-            return open_stream(c.data, tokenizer, cache_dir, c.seq_length, c.seed, cfg.vocab_size, c.pack,
+        def stream(data: str) -> SampleStream | PackedRowStream:
+            return open_stream(data, tokenizer, cache_dir, c.seq_length, c.seed, cfg.vocab_size, c.pack,
                                c.long_documents)  # fmt: skip
+
+        def opened(data: str) -> SampleStream | PackedRowStream:
+            """`data`'s stream on every rank: rank 0 builds the cache, the others wait for it, then read it."""
+            first = agreed((lambda: stream(data)) if self.rank == 0 else lambda: None)
+            later = agreed((lambda: stream(data)) if self.rank != 0 else lambda: None)
+            return first if self.rank == 0 else later
 
         if c.save:  # one writer per checkpoint directory (rank 0 holds the lock for the run)
             lock = self.save_lock = DirectoryLock(c.save, "--save")
             notice = agreed(lambda: lock.acquire() if self.rank == 0 else None)
             if notice:
                 print(notice, file=sys.stderr)
-        first = agreed(stream if self.rank == 0 else lambda: None)  # the others wait for rank 0's cache
-        later = agreed(stream if self.rank != 0 else lambda: None)
-        self.stream = first if self.rank == 0 else later
+        self.stream = opened(c.data)
         if self.rank == 0:
             for notice in self.stream.notices:
                 print(notice, file=sys.stderr)
         if c.valid_split:  # a second stream over the same cache, restricted to the held-out samples
-            self.valid = stream()
+            self.valid = stream(c.data)  # the cache exists by now
             _or_setup_error(lambda: hold_out(self.stream, self.valid, c.valid_split), alike=True)
             self._say(self._describe_validation())
         if c.valid_data:
-            valid_data = c.valid_data
-
-            def valid_stream() -> SampleStream | PackedRowStream:
-                return open_stream(valid_data, tokenizer, cache_dir, c.seq_length, c.seed, cfg.vocab_size, c.pack,
-                                   c.long_documents)  # fmt: skip
-
-            first_valid = agreed(valid_stream if self.rank == 0 else lambda: None)
-            later_valid = agreed(valid_stream if self.rank != 0 else lambda: None)
-            self.valid = first_valid if self.rank == 0 else later_valid
+            self.valid = opened(c.valid_data)
             self._say(self._describe_validation())
         if (
             c.load
