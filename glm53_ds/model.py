@@ -316,7 +316,8 @@ class Glm53Model(nn.Module):
         # at all (without, the layers get no mask and skip the padding rules on the host's knowledge) and the
         # packed documents' boundaries.
         all_real, cuts = attention_mask is None, None
-        if input_ids.numel():
+        # meta tensors (a shape-only dry run, plan/dry_run.py) have no values to read: the shapes are checked
+        if input_ids.numel() and input_ids.device.type != "meta":
             stats = [input_ids.min()[None], input_ids.max()[None]]
             if attention_mask is not None:
                 stats.append(attention_mask.bool().all().to(input_ids.dtype)[None])

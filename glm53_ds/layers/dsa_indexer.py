@@ -40,7 +40,8 @@ from .linear import ColumnLinear
 
 # One block of query rows holds its [b, rows, heads, P] fp32 scores (and their weighted sum) under this many bytes:
 # small on CPU (cache), larger on CUDA (fewer, fuller launches: 128k tokens at kpool 4 are ~550 blocks).
-SCORE_BLOCK_BYTES = {"cpu": 64 * 2**20, "cuda": 2**30}
+# On meta tensors (a shape-only dry run) a block costs its Python loop, not memory: 16 GiB blocks, 64 at 1M tokens.
+SCORE_BLOCK_BYTES = {"cpu": 64 * 2**20, "cuda": 2**30, "meta": 2**34}
 
 
 @dataclass
@@ -126,7 +127,14 @@ class DsaIndexer(nn.Module):
         # HF scores over the pools complete in some row (and top-k's order of exactly tied scores depends on how
         # many there are). With a known real prefix those are its first real_length // kpool pools, a slice;
         # otherwise which they are is on the device: their indices (`nonzero`), the one host sync of a padded batch's layer.
-        keep = complete.any(0).nonzero()[:, 0] if real_length is None else slice(0, real_length // self.kpool)
+        if real_length is not None:
+            keep: torch.Tensor | slice = slice(0, real_length // self.kpool)
+        elif (
+            k.device.type == "meta"
+        ):  # a shape-only dry run cannot know which pools are complete: all of them
+            keep = slice(0, n_pools)
+        else:
+            keep = complete.any(0).nonzero()[:, 0]
         tokens = tokens[:, keep]
         return Pools(
             keys=pool_keys[:, keep], tokens=tokens, complete=complete[:, keep],
@@ -137,7 +145,7 @@ class DsaIndexer(nn.Module):
     def block_bytes(self, device: torch.device) -> int:
         if self.score_block_bytes is not None:
             return self.score_block_bytes
-        return SCORE_BLOCK_BYTES["cuda" if device.type == "cuda" else "cpu"]
+        return SCORE_BLOCK_BYTES.get(device.type, SCORE_BLOCK_BYTES["cpu"])
 
     def block_rows(self, batch: int, n_pools: int, device: torch.device) -> int:
         """Query rows per block: the block's [b, rows, heads, P] fp32 scores stay under `block_bytes`."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import backends
+from . import shape_only
 from .documents import Documents
 
 CHUNK_SIZE = 64
@@ -101,6 +102,8 @@ def kda_attention(
     """`backend` (the config's `kda_impl`): fla-core's chunked KDA kernel, the torch reference, or `auto` (fla on
     CUDA when installed). `documents` (batch 1): the state restarts at each document, through fla's varlen kernel
     (`cu_seqlens`) or the torch reference once per document."""
+    if shape_only.on_meta(q):  # a shape-only dry run: the fused kernel's contract, not the reference's loop
+        return shape_only.kda_core(q, k, v, g, beta)
     if backends.resolve(backends.KDA, backend, q.device) == "fla":
         from fla.ops.kda import chunk_kda
 

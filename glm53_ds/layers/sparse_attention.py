@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from . import shape_only
+
 # The torch reference's block of query rows keeps its gathered latents [b, rows, W, R] and its [b, rows, h, W] fp32
 # scores and probabilities under this many bytes: small enough to stay in cache between the block's GEMMs (on this
 # CPU 4 MiB blocks run fwd+bwd 2.5x faster than 64 MiB ones at 8k tokens).
@@ -277,7 +279,9 @@ def sparse_latent_attention(
 ) -> torch.Tensor:
     """The contract above: q_lat [b, L, h, R], latent [b, L, R], tokens [b, L, W] -> o_lat [b, L, h, R].
     `impl`: sparse (torch reference) | triton (fused kernels; attention dropout needs the reference)."""
-    if impl == "triton" and dropout == 0.0:
+    if shape_only.on_meta(q_lat):  # a shape-only dry run: the fused kernel's contract
+        out = shape_only.sparse_attention_core(q_lat, latent, tokens)
+    elif impl == "triton" and dropout == 0.0:
         from .sparse_attention_triton import (
             sparse_attention_triton,
         )  # lazy: Triton reads TRITON_INTERPRET at import

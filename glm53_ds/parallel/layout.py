@@ -153,20 +153,19 @@ def init_layout(ep: int = 1, etp: int = 1, cfg: Glm53Config | None = None, sp: i
         pipeline_model_parallel_size=1,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
+        # nothing here uses megatron's gloo copies of its groups (and a shape-only dry run's fake backend,
+        # plan/dry_run.py, cannot build them)
+        create_gloo_process_groups=False,
     )
     etp_group = parallel_state.get_expert_tensor_parallel_group()
-    # The data-parallel groups: the "columns" of the ETP groups. Every rank learns every ETP group, then all
-    # ranks create the same groups in the same order (new_group is collective).
-    everyone: list[list[int] | None] = [None] * world
-    dist.all_gather_object(everyone, dist.get_process_group_ranks(etp_group))
-    etp_groups = sorted({tuple(g) for g in everyone if g is not None})
-    dp_group, dp_ranks = None, []
-    for j in range(etp):
-        ranks = sorted(g[j] for g in etp_groups)
-        group = dist.new_group(ranks)
-        if dist.get_rank() in ranks:
-            dp_group, dp_ranks = group, ranks
-    assert dp_group is not None
+    etp_ranks = dist.get_process_group_ranks(etp_group)
+    first = dist.get_rank() - dist.get_rank() % etp
+    if etp_ranks != list(range(first, first + etp)):  # the rank order above is megatron's expert order
+        raise RuntimeError(f"megatron's expert-tensor-parallel group of rank {dist.get_rank()} is {etp_ranks}, "
+                           f"expected ranks {first}..{first + etp - 1} (ETP fastest)")  # fmt: skip
+    # The data-parallel groups: the ranks sharing an ETP rank (the "columns" of the ETP groups), created on every
+    # rank in the same order (new_group is collective).
+    dp_group, dp_ranks = _new_groups(world, lambda r: (r % etp,))
     inner = ep * etp
     sp_group, sp_ranks, pure_dp_group, pure_dp_ranks = None, [dist.get_rank()], dp_group, dp_ranks
     if sp > 1:

@@ -71,6 +71,8 @@ class ExpertParallelDispatch:
         rank, rows received from each, rows of each ETP peer) with one host read."""
         n_local = self.shard.num_local
         send_matrix = routed.counts.view(self.ep_size, n_local)  # [EP destination, E_local]
+        if send_matrix.device.type == "meta":
+            return self._balanced_counts(routed.order.numel())
         recv_matrix = exchange_counts(send_matrix, self.ep_group) if self.ep_size > 1 else send_matrix
         if self.etp_size > 1:
             peers = [torch.empty_like(recv_matrix) for _ in range(self.etp_size)]
@@ -84,6 +86,16 @@ class ExpertParallelDispatch:
         recv = received[etp_rank * self.ep_size : (etp_rank + 1) * self.ep_size]
         peer_rows = [sum(received[r * self.ep_size : (r + 1) * self.ep_size]) for r in range(self.etp_size)]
         return matrix, send, recv, peer_rows
+
+    def _balanced_counts(self, pairs: int) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
+        """`_counts` for a shape-only dry run (meta tensors: no routing to read): every rank routes its `pairs`
+        evenly over the experts, the load the router's bias steers towards."""
+        send = [pairs // self.ep_size + (r < pairs % self.ep_size) for r in range(self.ep_size)]
+        recv = [send[dist.get_rank(self.ep_group)]] * self.ep_size
+        matrix = torch.empty(
+            self.etp_size * self.ep_size, self.shard.num_local, dtype=torch.long, device="meta"
+        )
+        return matrix, send, recv, [sum(recv)] * self.etp_size
 
     def __call__(
         self, experts: GroupedExperts, x: torch.Tensor, routed: RoutedTokens, weights: torch.Tensor

@@ -1,0 +1,285 @@
+"""A real-size dry run on meta tensors: one rank of a layout, the released model, forward and backward, shape by shape.
+
+    python -m glm53_ds.plan.dry_run --ep 32 --etp 2 --seq-length 131072 [--gpt-model] [--lora-rank 16]
+
+No GPU and no memory: the model is built on the meta device as rank `--rank` of a world of EP x ETP ranks joined
+through torch's fake process-group backend (collectives return at once; every group, shard and split size is the
+real layout's), and one micro-batch runs through the loss and back. What runs is the GPU path: every projection,
+norm, mHC mix, router, the expert-parallel all-to-alls and grouped expert GEMMs, the DSA indexer's blocks (larger: a
+block costs a meta run its loop, not memory), the chunked loss head; the three fused kernels are their contracts (layers/shape_only.py), and the
+expert dispatch assumes balanced routing (meta tensors have no routing to read). A shape that does not fit, a
+parameter without its gradient, a shard of the wrong size or an int32 index computation fails here, on a laptop,
+instead of on the cluster after loading 640 GB.
+
+Checks (`DryRun.problems`, empty when all hold):
+  - every parameter the rank holds is the planner's count (plan/counts.py) and its shard (checkpoint/placement.py);
+  - every trained parameter gets a gradient of its own shape, and no frozen one gets a gradient;
+  - the loss is a scalar;
+  - no operation computes in int32 (`Int32Audit`): token indices, expert offsets and document boundaries are int32
+    only as stored values (positions < 2^31 at any length the config allows), their arithmetic runs in int64;
+  - the fused kernels' largest operands are reported (`kernel_elements`): past 2^31 elements a kernel must
+    address in int64 (this project's Triton kernels promote program ids to int64; fla-core kernels did not
+    before fla PR #1082, issue #1080).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ..checkpoint.placement import placement
+from ..config import Glm53Config
+from ..layers import shape_only
+from ..layers.lora import LoraSpec
+from ..layers.lora_targets import apply_lora
+from ..model import Glm53Model
+from ..parallel import init_layout
+from ..training.presets import PRESETS, preset
+from ..training.trainable import select_trainable
+from ..transformer_config import make_transformer_config
+from .counts import count_parameters
+
+INT32_LIMIT = 2**31 - 1
+
+# ops that only store, move or select int32 values (no arithmetic on them)
+_INT32_STORAGE_OPS = {
+    "_to_copy", "to", "copy_", "clone", "view", "_unsafe_view", "reshape", "expand", "slice", "select",
+    "transpose", "t", "permute", "unsqueeze", "squeeze", "cat", "stack", "masked_fill", "constant_pad_nd",
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "full", "fill_", "detach",
+    "alias", "index", "index_select", "gather", "contiguous", "split", "split_with_sizes", "narrow", "lift_fresh",
+    "where", "zeros_like", "ones_like", "full_like", "zero_", "flatten", "unflatten", "_reshape_alias",
+}  # fmt: skip
+
+
+class Int32Audit(TorchDispatchMode):
+    """Records every operation that produces an int32 tensor by computing (not just storing or moving) it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.computed: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name not in _INT32_STORAGE_OPS and any(
+            isinstance(t, torch.Tensor) and t.dtype == torch.int32 for t in tree_leaves(out)
+        ):
+            self.computed[name] += 1
+        return out
+
+
+@dataclass
+class DryRun:
+    model: str
+    seq_length: int
+    micro_batch: int
+    ep: int
+    etp: int
+    rank: int
+    lora_rank: int
+    gpt_model: bool
+    parameters_held: int = 0  # elements this rank holds
+    planned_held: int = 0  # the planner's count (plan/counts.py)
+    trained_tensors: int = 0
+    local_experts: int = 0
+    loss_shape: tuple[int, ...] = ()
+    seconds: dict[str, float] = field(default_factory=dict)
+    int32_ops: dict[str, int] = field(default_factory=dict)
+    kernel_elements: dict[str, int] = field(default_factory=dict)  # kernel -> its largest operand's elements
+    problems: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        verdict = "OK" if not self.problems else f"{len(self.problems)} problems"
+        return (f"dry run {self.model} ({'GPTModel spec' if self.gpt_model else 'Glm53Model'}), rank {self.rank} "
+                f"of EP {self.ep} x ETP {self.etp}, {self.micro_batch} x {self.seq_length:,} tokens"
+                f"{f', LoRA rank {self.lora_rank}' if self.lora_rank else ''}: {self.parameters_held:,} parameters "
+                f"held ({self.local_experts} local experts), forward {self.seconds.get('forward', 0):.1f} s, "
+                f"backward {self.seconds.get('backward', 0):.1f} s: {verdict}")  # fmt: skip
+
+
+def fake_world(world: int, rank: int = 0) -> None:
+    """Join a world of `world` ranks as `rank` through torch's fake backend (collectives do nothing)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if dist.get_world_size() != world or dist.get_backend() != "fake":
+            raise RuntimeError(f"a dry run needs its own fake world of {world} ranks; this process already "
+                               f"has a {dist.get_backend()} world of {dist.get_world_size()}")  # fmt: skip
+        return
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+
+
+def dry_run(
+    cfg: Glm53Config, seq_length: int, ep: int = 1, etp: int = 1, rank: int = 0, micro_batch: int = 1,
+    lora_rank: int = 0, gpt_model: bool = False, name: str = "model",
+) -> DryRun:  # fmt: skip
+    """Rank `rank` of EP x ETP ranks (a fake world of that size, joined here), forward + backward on meta."""
+    warnings.filterwarnings("ignore", category=UserWarning)  # megatron's notices about optional kernels
+    if seq_length > cfg.max_position_embeddings:
+        raise ValueError(f"--seq-length {seq_length} > max_position_embeddings {cfg.max_position_embeddings}")
+    report = DryRun(name, seq_length, micro_batch, ep, etp, rank, lora_rank, gpt_model)
+    fake_world(ep * etp, rank)
+    layout = init_layout(ep, etp, cfg)
+    shard = layout.expert_shard(cfg)
+    tconfig = make_transformer_config(cfg, torch.bfloat16, mtp=gpt_model and cfg.num_nextn_predict_layers > 0,
+                                      expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                                      perform_initialization=False)  # fmt: skip
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = _gpt_model(cfg, tconfig, seq_length) if gpt_model else Glm53Model(
+            tconfig, pg_collection=layout.pg_collection)  # fmt: skip
+        if lora_rank:
+            apply_lora(model, LoraSpec(rank=lora_rank, alpha=float(lora_rank)))
+    select_trainable(model, lora=bool(lora_rank), trainable=None, freeze=None, train_indexer=False)
+    report.seconds["build"] = time.perf_counter() - start
+    report.parameters_held = sum(p.numel() for p in model.parameters())
+    planned = count_parameters(cfg, ep, etp, lora_rank=lora_rank)
+    report.planned_held = sum(planned.held(k) for k in planned.trained)
+    if report.planned_held != report.parameters_held:
+        report.problems.append(f"rank {rank} holds {report.parameters_held:,} parameter elements, the planner "
+                               f"counts {report.planned_held:,}")  # fmt: skip
+    if not gpt_model:  # shards by native name (a GPTModel names its tensors megatron's way)
+        report.problems += shard_problems(model, _whole_model_shapes(cfg, lora_rank), shard)
+    report.local_experts = shard.num_local
+
+    ids = torch.zeros(micro_batch, seq_length, dtype=torch.long, device="meta")
+    audit = Int32Audit()
+    with shape_only.largest_operands() as operands:
+        with audit:
+            start = time.perf_counter()
+            if gpt_model:
+                # megatron's MTP loss logger allocates on torch.cuda.current_device(): give it a meta buffer
+                from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+                MTPLossLoggingHelper.tracker["values"] = torch.zeros(
+                    cfg.num_nextn_predict_layers, device="meta"
+                )
+                loss = model(ids, None, None, labels=ids).sum()  # megatron's per-token losses [b, s]
+            else:
+                loss = model(ids, labels=ids)
+            report.seconds["forward"] = time.perf_counter() - start
+            report.loss_shape = tuple(loss.shape)
+            start = time.perf_counter()
+            loss.backward()
+            report.seconds["backward"] = time.perf_counter() - start
+    report.kernel_elements = operands
+    report.int32_ops = dict(audit.computed)
+    if report.int32_ops:
+        report.problems.append(f"int32 arithmetic (overflows past 2^31): {report.int32_ops}")
+    if report.loss_shape != ():
+        report.problems.append(f"the loss has shape {report.loss_shape}, not a scalar")
+    report.trained_tensors = sum(p.requires_grad for p in model.parameters())
+    report.problems += gradient_problems(model)
+    return report
+
+
+def gradient_problems(model: torch.nn.Module) -> list[str]:
+    """Trained parameters without a gradient of their shape, frozen ones with a gradient."""
+    problems = []
+    for name, p in model.named_parameters():
+        if p.requires_grad and (p.grad is None or p.grad.shape != p.shape):
+            got = None if p.grad is None else tuple(p.grad.shape)
+            problems.append(f"{name}: gradient {got}, parameter {tuple(p.shape)}")
+        elif not p.requires_grad and p.grad is not None:
+            problems.append(f"{name}: frozen, but has a gradient")
+    return problems
+
+
+def _gpt_model(cfg: Glm53Config, tconfig: Any, seq_length: int) -> torch.nn.Module:
+    """A stock megatron `GPTModel` from the project's specs (docs/usage.md, "Use in your own Megatron code")."""
+    from megatron.core.models.gpt import GPTModel
+
+    from ..specs import get_glm53_block_spec, get_glm53_mtp_block_spec
+
+    mtp = cfg.num_nextn_predict_layers > 0
+    return GPTModel(tconfig, get_glm53_block_spec(cfg), vocab_size=cfg.vocab_size, max_sequence_length=seq_length,
+                    position_embedding_type="none", share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+                    mtp_block_spec=get_glm53_mtp_block_spec(cfg) if mtp else None)  # fmt: skip
+
+
+def shard_problems(model: torch.nn.Module, whole: dict[str, torch.Size], shard: Any) -> list[str]:
+    """Tensors whose shape is not their shard's (a replicated one whole, an expert tensor the rank's slice), given
+    the whole model's shapes `whole`."""
+    problems = []
+    for name, p in model.named_parameters():
+        if name not in whole:
+            problems.append(f"{name}: not a parameter of the whole model")
+            continue
+        want = tuple(placement(name, tuple(whole[name]), shard).local_shape)
+        if tuple(p.shape) != want:
+            problems.append(f"{name}: shape {tuple(p.shape)}, its shard at {shard} is {want}")
+    return problems
+
+
+def _whole_model_shapes(cfg: Glm53Config, lora_rank: int) -> dict[str, torch.Size]:
+    from ..model import build_model
+
+    with torch.device("meta"):
+        whole = build_model(cfg, dtype=torch.bfloat16, perform_initialization=False)
+        if lora_rank:
+            apply_lora(whole, LoraSpec(rank=lora_rank, alpha=float(lora_rank)))
+    return {n: p.shape for n, p in whole.named_parameters()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m glm53_ds.plan.dry_run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--model-config", default="glm-5.3-flash", help=f"a preset ({', '.join(PRESETS)}) or a "
+                   "config.json (default: glm-5.3-flash)")  # fmt: skip
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--etp", type=int, default=1)
+    p.add_argument("--rank", type=int, default=0, help="which rank of the EP x ETP world to be (default: 0)")
+    p.add_argument("--seq-length", type=int, default=131072)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--lora-rank", type=int, default=0)
+    p.add_argument(
+        "--gpt-model", action="store_true", help="through a stock megatron GPTModel from the specs"
+    )
+    p.add_argument("--layers", type=int, default=0, help="only the first N decoder layers (0: all)")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    args = p.parse_args(argv)
+    try:
+        cfg = (
+            preset(args.model_config)
+            if args.model_config in PRESETS
+            else Glm53Config.from_hf(args.model_config)
+        )
+        if args.layers:
+            cfg = first_layers(cfg, args.layers)
+        report = dry_run(cfg, args.seq_length, args.ep, args.etp, args.rank, args.micro_batch_size, args.lora_rank,
+                         args.gpt_model, name=args.model_config)  # fmt: skip
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(dataclasses.asdict(report)))
+        return 0 if not report.problems else 1
+    for problem in report.problems:
+        print(f"  {problem}")
+    for kernel, n in report.kernel_elements.items():
+        note = "past 2^31: needs int64 addressing" if n > INT32_LIMIT else "within int32"
+        print(f"  {kernel}: largest operand {n:,} elements ({note})")
+    print(report.summary())
+    return 0 if not report.problems else 1
+
+
+def first_layers(cfg: Glm53Config, n: int) -> Glm53Config:
+    """`cfg` with only its first `n` decoder layers (their types kept)."""
+    return dataclasses.replace(cfg, num_hidden_layers=n, layer_types=cfg.layer_types[:n],
+                               mlp_layer_types=cfg.mlp_layer_types[:n], indexer_types=cfg.indexer_types[:n])  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())

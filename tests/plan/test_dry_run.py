@@ -1,0 +1,127 @@
+"""The real-size dry run (plan/dry_run.py): the released GLM-5.3-Flash, 45 layers, 288 experts, MTP, on meta tensors
+as one rank of EP 32 x ETP 2 (and of EP 8 with LoRA), forward and backward of 131,072 tokens, natively and through a
+stock megatron GPTModel built from the specs; the index arithmetic at 1,048,576 positions. Each run is its own
+process (it joins a fake world of its layout's size). Controls: the int32 audit, the shard check and the gradient
+check each catch the fault they look for.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from glm53_ds.layers import shape_only
+from glm53_ds.layers.kda_ops import kda_attention
+from glm53_ds.parallel.expert_shard import ExpertShard
+from glm53_ds.plan.counts import count_parameters
+from glm53_ds.plan.dry_run import INT32_LIMIT, Int32Audit, gradient_problems, shard_problems
+from glm53_ds.training.presets import glm53_flash, tiny
+
+RELEASED_ELEMENTS_PER_RANK = {(32, 2): 13_975_432_958}  # the planner's count, restated by the run
+
+
+def run_dry(*args: str) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "glm53_ds.plan.dry_run", "--json", *args],
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert proc.stdout.strip(), proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 0 and report["problems"] == [], report["problems"] or proc.stderr[-3000:]
+    return report
+
+
+@pytest.mark.slow
+def test_released_model_at_ep32_etp2_128k_tokens():
+    report = run_dry("--ep", "32", "--etp", "2", "--seq-length", "131072")
+    assert report["parameters_held"] == report["planned_held"] == RELEASED_ELEMENTS_PER_RANK[(32, 2)]
+    assert report["local_experts"] == 288 // 32 and report["loss_shape"] == []
+    assert report["int32_ops"] == {}
+    # 128k tokens: the sparse attention's q_lat [1, 131072, 64, 512] is past 2^31 elements, KDA's operands are not
+    assert report["kernel_elements"]["DSA sparse attention (Triton)"] == 131072 * 64 * 512
+    assert report["kernel_elements"]["KDA (fla chunk_kda)"] == 131072 * 64 * 128 <= INT32_LIMIT
+
+
+@pytest.mark.slow
+def test_released_model_with_lora_at_ep8_128k_tokens():
+    report = run_dry("--ep", "8", "--seq-length", "131072", "--lora-rank", "16", "--rank", "5")
+    planned = count_parameters(glm53_flash(), ep=8, lora_rank=16)
+    assert report["parameters_held"] == sum(planned.held(k) for k in planned.trained)
+    assert report["local_experts"] == 36
+    assert report["trained_tensors"] > 0 and report["int32_ops"] == {}
+
+
+@pytest.mark.slow
+def test_released_model_through_megatrons_gpt_model_128k_tokens():
+    report = run_dry("--ep", "32", "--etp", "2", "--seq-length", "131072", "--gpt-model", "--rank", "63")
+    assert report["parameters_held"] == RELEASED_ELEMENTS_PER_RANK[(32, 2)] and report["int32_ops"] == {}
+
+
+@pytest.mark.slow
+def test_index_arithmetic_at_1m_positions():
+    """max_position_embeddings = 1,048,576 tokens in one sequence, one layer of each kind (KDA + dense MLP, DSA +
+    MoE) and MTP: no int32 arithmetic anywhere in forward or backward, and the kernels' operands that pass 2^31
+    elements are the ones the project's Triton kernels address in int64."""
+    report = run_dry("--ep", "32", "--etp", "2", "--seq-length", str(2**20), "--layers", "4")
+    assert report["int32_ops"] == {}
+    assert report["kernel_elements"]["DSA sparse attention (Triton)"] == 2**20 * 64 * 512 > INT32_LIMIT
+    assert report["kernel_elements"]["KDA (fla chunk_kda)"] == 2**20 * 64 * 128 > INT32_LIMIT
+
+
+def test_the_triton_kernels_address_rows_in_int64():
+    """What lets the sparse-attention and mHC kernels pass 2^31 elements: each kernel's row / token program id is
+    promoted to int64 before it multiplies a stride (the other grid axis counts blocks of one row)."""
+    import inspect
+
+    from glm53_ds.layers import sparse_attention_triton
+    from glm53_ds.mhc import hc_post_triton
+
+    for module in (sparse_attention_triton, hc_post_triton):
+        lines = [ln.strip() for ln in inspect.getsource(module).splitlines() if "tl.program_id(0)" in ln]
+        assert lines and all(ln.endswith("tl.program_id(0).to(tl.int64)") for ln in lines), lines
+
+
+def test_int32_audit_catches_int32_arithmetic():
+    with Int32Audit() as audit:
+        positions = torch.arange(8, device="meta").to(torch.int32)  # stored as int32: fine
+        _ = positions.long() * 4096  # arithmetic in int64: fine
+    assert audit.computed == {}
+    with Int32Audit() as audit:
+        _ = positions * 4096  # int32 arithmetic: overflows past 2^31
+    assert audit.computed == {"mul": 1}
+
+
+def test_shard_check_catches_a_wrong_shard():
+    import glm53_ds
+
+    cfg = tiny()
+    whole = {n: p.shape for n, p in glm53_ds.build_model(cfg).named_parameters()}
+    with torch.device("meta"):
+        model = glm53_ds.build_model(cfg)
+    assert shard_problems(model, whole, ExpertShard.for_config(cfg, 1, 0, 1, 0)) == []
+    problems = shard_problems(
+        model, whole, ExpertShard.for_config(cfg, 2, 1, 1, 0)
+    )  # EP 2 wants half the experts
+    assert problems and all(".experts." in p for p in problems)
+
+
+def test_gradient_check_catches_a_missing_gradient():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[0](torch.ones(1, 4)).sum().backward()  # model[1] never used
+    assert [p.split(":")[0] for p in gradient_problems(model)] == ["1.weight", "1.bias"]
+
+
+def test_meta_stand_ins_check_the_kernel_contract():
+    q = torch.empty(1, 8, 2, 4, device="meta")
+    with shape_only.largest_operands() as record:
+        out = kda_attention(
+            q, q, torch.empty(1, 8, 2, 6, device="meta"), q, torch.empty(1, 8, 2, device="meta")
+        )
+    assert out.shape == (1, 8, 2, 6) and record == {"KDA (fla chunk_kda)": 96}
+    with pytest.raises(
+        ValueError, match=r"KDA beta: shape \(1, 8\), the kernel's contract needs \(1, 8, 2\)"
+    ):
+        kda_attention(q, q, q, q, torch.empty(1, 8, device="meta"))
