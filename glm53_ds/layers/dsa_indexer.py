@@ -129,10 +129,8 @@ class DsaIndexer(nn.Module):
         # otherwise which they are is on the device: their indices (`nonzero`), the one host sync of a padded batch's layer.
         if real_length is not None:
             keep: torch.Tensor | slice = slice(0, real_length // self.kpool)
-        elif (
-            k.device.type == "meta"
-        ):  # a shape-only dry run cannot know which pools are complete: all of them
-            keep = slice(0, n_pools)
+        elif k.device.type == "meta":
+            keep = slice(0, n_pools)  # a shape-only dry run cannot know which pools are complete: all of them
         else:
             keep = complete.any(0).nonzero()[:, 0]
         tokens = tokens[:, keep]

@@ -22,7 +22,7 @@ from ..config import Glm53Config
 from ..engine.fp32_params import fp32_kept_names
 from ..layers.lora import LoraSpec
 from ..layers.lora_targets import apply_lora
-from ..model import build_model
+from ..model import Glm53Model, build_model
 from ..parallel.expert_shard import ExpertShard
 from ..training.trainable import select_trainable
 
@@ -44,20 +44,32 @@ class ParameterCounts:
         return self.trained[kind] + self.frozen[kind]
 
 
+def lora_spec(rank: int, alpha: float | None = None, targets: tuple[str, ...] | None = None) -> LoraSpec:
+    """The adapters a LoRA run of `rank` applies (alpha defaults to the rank)."""
+    spec = LoraSpec(rank=rank, alpha=float(alpha or rank))
+    return dataclasses.replace(spec, targets=tuple(targets)) if targets else spec
+
+
+def whole_model_on_meta(
+    cfg: Glm53Config, lora_rank: int = 0, lora_alpha: float | None = None,
+    lora_targets: tuple[str, ...] | None = None, mtp: bool = True,
+) -> Glm53Model:  # fmt: skip
+    """The whole model (every expert) on the meta device, bf16, with the run's LoRA adapters when `lora_rank` > 0."""
+    with torch.device("meta"):
+        model = build_model(cfg, dtype=torch.bfloat16, mtp=mtp and cfg.num_nextn_predict_layers > 0,
+                            perform_initialization=False)  # fmt: skip
+        if lora_rank:
+            apply_lora(model, lora_spec(lora_rank, lora_alpha, lora_targets))
+    return model
+
+
 def count_parameters(
     cfg: Glm53Config, ep: int = 1, etp: int = 1, lora_rank: int = 0, lora_alpha: float | None = None,
     lora_targets: tuple[str, ...] | None = None, mtp: bool = True, train_indexer: bool = False,
 ) -> ParameterCounts:  # fmt: skip
     """One rank's counts at EP `ep` x ETP `etp` (a LoRA run of rank `lora_rank` when > 0)."""
     shard = ExpertShard.for_config(cfg, ep, 0, etp, 0)
-    with torch.device("meta"):
-        model = build_model(cfg, dtype=torch.bfloat16, mtp=mtp and cfg.num_nextn_predict_layers > 0,
-                            perform_initialization=False)  # fmt: skip
-        if lora_rank:
-            spec = LoraSpec(rank=lora_rank, alpha=float(lora_alpha or lora_rank))
-            if lora_targets:
-                spec = dataclasses.replace(spec, targets=tuple(lora_targets))
-            apply_lora(model, spec)
+    model = whole_model_on_meta(cfg, lora_rank, lora_alpha, lora_targets, mtp)
     select_trainable(model, lora=bool(lora_rank), trainable=None, freeze=None, train_indexer=train_indexer)
     kept = set(fp32_kept_names(model))
     out = ParameterCounts()

@@ -6,8 +6,9 @@ No GPU and no memory: the model is built on the meta device as rank `--rank` of 
 through torch's fake process-group backend (collectives return at once; every group, shard and split size is the
 real layout's), and one micro-batch runs through the loss and back. What runs is the GPU path: every projection,
 norm, mHC mix, router, the expert-parallel all-to-alls and grouped expert GEMMs, the DSA indexer's blocks (larger: a
-block costs a meta run its loop, not memory), the chunked loss head; the three fused kernels are their contracts (layers/shape_only.py), and the
-expert dispatch assumes balanced routing (meta tensors have no routing to read). A shape that does not fit, a
+block costs a meta run its loop, not memory), the chunked loss head. The fused kernels are their contracts (KDA and
+sparse attention: layers/shape_only.py; mHC's write-back: its custom op's fake implementation), and the expert
+dispatch assumes balanced routing (meta tensors have no routing to read). A shape that does not fit, a
 parameter without its gradient, a shard of the wrong size or an int32 index computation fails here, on a laptop,
 instead of on the cluster after loading 640 GB.
 
@@ -36,20 +37,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..checkpoint.placement import placement
 from ..config import Glm53Config
 from ..layers import shape_only
-from ..layers.lora import LoraSpec
 from ..layers.lora_targets import apply_lora
 from ..model import Glm53Model
 from ..parallel import init_layout
+from ..specs import get_glm53_block_spec, get_glm53_mtp_block_spec
 from ..training.presets import PRESETS, preset
 from ..training.trainable import select_trainable
 from ..transformer_config import make_transformer_config
-from .counts import count_parameters
+from .counts import count_parameters, lora_spec, whole_model_on_meta
 
 INT32_LIMIT = 2**31 - 1
 
@@ -141,7 +144,7 @@ def dry_run(
         model = _gpt_model(cfg, tconfig, seq_length) if gpt_model else Glm53Model(
             tconfig, pg_collection=layout.pg_collection)  # fmt: skip
         if lora_rank:
-            apply_lora(model, LoraSpec(rank=lora_rank, alpha=float(lora_rank)))
+            apply_lora(model, lora_spec(lora_rank))
     select_trainable(model, lora=bool(lora_rank), trainable=None, freeze=None, train_indexer=False)
     report.seconds["build"] = time.perf_counter() - start
     report.parameters_held = sum(p.numel() for p in model.parameters())
@@ -151,7 +154,8 @@ def dry_run(
         report.problems.append(f"rank {rank} holds {report.parameters_held:,} parameter elements, the planner "
                                f"counts {report.planned_held:,}")  # fmt: skip
     if not gpt_model:  # shards by native name (a GPTModel names its tensors megatron's way)
-        report.problems += shard_problems(model, _whole_model_shapes(cfg, lora_rank), shard)
+        whole = {n: p.shape for n, p in whole_model_on_meta(cfg, lora_rank).named_parameters()}
+        report.problems += shard_problems(model, whole, shard)
     report.local_experts = shard.num_local
 
     ids = torch.zeros(micro_batch, seq_length, dtype=torch.long, device="meta")
@@ -161,8 +165,6 @@ def dry_run(
             start = time.perf_counter()
             if gpt_model:
                 # megatron's MTP loss logger allocates on torch.cuda.current_device(): give it a meta buffer
-                from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-
                 MTPLossLoggingHelper.tracker["values"] = torch.zeros(
                     cfg.num_nextn_predict_layers, device="meta"
                 )
@@ -199,10 +201,6 @@ def gradient_problems(model: torch.nn.Module) -> list[str]:
 
 def _gpt_model(cfg: Glm53Config, tconfig: Any, seq_length: int) -> torch.nn.Module:
     """A stock megatron `GPTModel` from the project's specs (docs/usage.md, "Use in your own Megatron code")."""
-    from megatron.core.models.gpt import GPTModel
-
-    from ..specs import get_glm53_block_spec, get_glm53_mtp_block_spec
-
     mtp = cfg.num_nextn_predict_layers > 0
     return GPTModel(tconfig, get_glm53_block_spec(cfg), vocab_size=cfg.vocab_size, max_sequence_length=seq_length,
                     position_embedding_type="none", share_embeddings_and_output_weights=cfg.tie_word_embeddings,
@@ -221,16 +219,6 @@ def shard_problems(model: torch.nn.Module, whole: dict[str, torch.Size], shard: 
         if tuple(p.shape) != want:
             problems.append(f"{name}: shape {tuple(p.shape)}, its shard at {shard} is {want}")
     return problems
-
-
-def _whole_model_shapes(cfg: Glm53Config, lora_rank: int) -> dict[str, torch.Size]:
-    from ..model import build_model
-
-    with torch.device("meta"):
-        whole = build_model(cfg, dtype=torch.bfloat16, perform_initialization=False)
-        if lora_rank:
-            apply_lora(whole, LoraSpec(rank=lora_rank, alpha=float(lora_rank)))
-    return {n: p.shape for n, p in whole.named_parameters()}
 
 
 def main(argv: list[str] | None = None) -> int:
