@@ -2,9 +2,11 @@
 
 Round trip (fp32, CONFIG_A: KDA with its forget gate, MLA, dense MLP, MoE with a shared expert): our model with
 random adapters on every target (B nonzero) vs `peft.PeftModel.from_pretrained(transformers' model, out)`: logits
-max relative error <= 1e-5 (the bound of the plain model parity test; measured 6.2e-6, the same model without
-adapters 1.7e-6 against transformers). Controls: the expert
-adapters left out, or their B columns written expert-major instead of PEFT's rank-major order, miss by > 1e-3.
+max relative error <= 3e-5. The error is fp32 rounding of two evaluation orders and depends on the CPU's BLAS code
+path: measured 6.2e-6 (AVX-512), 4.0e-6 (ATen AVX2), 6.6e-6 (no SIMD), 1.3e-5 with MKL restricted to AVX2
+(`MKL_ENABLE_INSTRUCTIONS=AVX2`) and 1.42e-5 on the CI machine; the same model without adapters is 1.7e-6 against
+transformers. The bound is twice the largest measured. Controls: the expert adapters left out, or their B columns
+written expert-major instead of PEFT's rank-major order, miss by > 1e-3 (over 30x the bound).
 Also: the MTP adapters and a dropout on the experts are announced, not dropped silently; a checkpoint without
 adapters is refused.
 """
@@ -25,6 +27,7 @@ from glm53_ds.layers.lora_targets import apply_lora
 from tests.model_fixtures import CONFIG_A, batch, load_hf_reference, rel_err, save_tiny_hf
 
 RANK, ALPHA = 3, 6.0
+PEFT_BOUND = 3e-5  # fp32 rounding over BLAS code paths: see the module docstring
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +66,7 @@ def test_peft_gives_our_logits(tiny, tmp_path):
     ]
     write_peft_adapter(str(tmp_path / "peft"), tensors, config)
     assert json.loads((tmp_path / "peft" / ADAPTER_CONFIG).read_text())["r"] == RANK
-    assert rel_err(_peft_logits(path, tmp_path / "peft", ids), logits) <= 1e-5
+    assert rel_err(_peft_logits(path, tmp_path / "peft", ids), logits) <= PEFT_BOUND
 
     # controls: the experts' adapters left out, or their B in the wrong column order
     without = {k: v for k, v in tensors.items() if ".mlp.experts." not in k}
