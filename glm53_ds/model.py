@@ -34,6 +34,7 @@ from megatron.core.tensor_parallel import VocabParallelEmbedding
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_block import TransformerBlock
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .config import Glm53Config
 from .layers.chunked_ce import IGNORE_INDEX, linear_cross_entropy
@@ -273,9 +274,16 @@ class Glm53Model(nn.Module):
             if docs is not None:
                 next_mask = next_mask & docs.same_document(depth, mask.device)[None]
             emb = self.embedding(self._local(next_ids)).transpose(0, 1)
-            hidden, normed = layer.predict(
-                hidden, emb, self._local(next_mask), packed_seq, trailing_padding=depth if all_real else None
-            )
+            args = (hidden, emb, self._local(next_mask), packed_seq)
+            padding = depth if all_real else None
+            if self.config.recompute_granularity == "full" and self.training and torch.is_grad_enabled():
+                # full recompute covers the MTP layer too (outside megatron's block: recomputed here); it keeps
+                # only its inputs, not a whole layer's activations (81 GiB per rank at 128k tokens, released size)
+                hidden, normed = checkpoint(
+                    layer.predict, *args, trailing_padding=padding, use_reentrant=False
+                )
+            else:
+                hidden, normed = layer.predict(*args, trailing_padding=padding)
             out.append(normed)
         return out
 

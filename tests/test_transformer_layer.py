@@ -51,7 +51,9 @@ def _loss_and_grads(model, counters, padded=True):
 
 def _count_calls(model, counters):
     layer = model.decoder.layers[3]
-    for name, module in (("attention", layer.self_attention), ("attn_hc", layer.attn_hc), ("mlp", layer.mlp)):
+    modules = [("attention", layer.self_attention), ("attn_hc", layer.attn_hc), ("mlp", layer.mlp),
+               ("mtp", model.mtp[0].transformer_layer.self_attention)]  # fmt: skip
+    for name, module in modules:
         module.register_forward_pre_hook(lambda *_, n=name: counters.__setitem__(n, counters.get(n, 0) + 1))
 
 
@@ -62,7 +64,7 @@ def reference():
     counters: dict[str, int] = {}
     _count_calls(model, counters)
     loss, grads = _loss_and_grads(model, counters)
-    assert counters == {"attention": 1, "attn_hc": 1, "mlp": 1}
+    assert counters == {"attention": 1, "attn_hc": 1, "mlp": 1, "mtp": 1}
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     return state, loss, grads
 
@@ -93,11 +95,11 @@ def test_recompute_is_bitwise_identical_and_recomputes(reference, mode):
     assert grads.keys() == ref_grads.keys()
     for n in grads:
         assert torch.equal(grads[n], ref_grads[n]), n
-    expected = {
-        "full-uniform": {"attention": 2, "attn_hc": 2, "mlp": 2},
-        "full-block": {"attention": 1, "attn_hc": 1, "mlp": 1},  # layer 3 is outside the first 3 recomputed
-        "selective-mhc-mlp": {"attention": 1, "attn_hc": 2, "mlp": 2},
-        "selective-mhc": {"attention": 1, "attn_hc": 2, "mlp": 1},
+    expected = {  # full recompute covers the MTP layer too (either method; before: never recomputed)
+        "full-uniform": {"attention": 2, "attn_hc": 2, "mlp": 2, "mtp": 2},
+        "full-block": {"attention": 1, "attn_hc": 1, "mlp": 1, "mtp": 2},  # layer 3: outside the first 3
+        "selective-mhc-mlp": {"attention": 1, "attn_hc": 2, "mlp": 2, "mtp": 1},
+        "selective-mhc": {"attention": 1, "attn_hc": 2, "mlp": 1, "mtp": 1},
     }[mode]
     assert counters == expected
 

@@ -1,25 +1,32 @@
-"""`python -m glm53_ds.plan`: one rank's training-state memory for a model config and layout.
+"""`python -m glm53_ds.plan`: one rank's memory for a model config and layout, or the smallest layouts that fit.
 
-    python -m glm53_ds.plan --model-config glm-5.3-flash --world 64 --ep 32 --etp 2 --zero 2 [--lora-rank 16]
-        [--fp32] [--gpu-memory 141GB] [--json]
+    python -m glm53_ds.plan --model-config glm-5.3-flash --world 64 --ep 32 --etp 2 --zero 2 --seq-length 8192
+        [--sp S] [--micro-batch-size M] [--recompute none|selective|full] [--lora-rank 16] [--fp32]
+        [--gpu-memory 141GB] [--json]
+    python -m glm53_ds.plan --search --seq-length 32768 [--lora-rank 16] [--gpu-memory 80GB]
 
-Prints the parameters one rank holds by kind (exact: the model built on the meta device), the bytes of weights,
-gradients, fp32 masters and Adam moments, and the total against --gpu-memory. Activations, the loss head and
-communication buffers are not modelled yet: the remaining memory is what they may use.
+Prints per rank: the parameters held by kind (exact: the model built on the meta device), the bytes of weights,
+gradients, fp32 masters and Adam moments as the engine holds them (state.py), the activations per layer kind with
+the recompute mode and the loss head (measured on meta per layer kind and composed over the model: activations.py),
+ZeRO's communication buffers, and the total against --gpu-memory (memory.py). `--search`: the smallest world (GPUs)
+at which some layout fits, with the layouts that fit there.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
 import warnings
 
 from ..config import Glm53Config
+from ..parallel.layout import validate_layout
 from ..training.presets import PRESETS, preset
 from .counts import KINDS, count_parameters
-from .state import GiB, state_bytes
+from .memory import RECOMPUTE_ORDER, RESERVE_FRACTION, Layout, RankMemory, rank_memory, search
+from .state import GiB
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -32,58 +39,117 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
+def _config(name: str) -> Glm53Config:
+    return preset(name) if name in PRESETS else Glm53Config.from_hf(name)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m glm53_ds.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--model-config", default="glm-5.3-flash", help=f"a preset ({', '.join(PRESETS)}) or a "
                    "config.json (default: glm-5.3-flash)")  # fmt: skip
-    p.add_argument("--world", type=int, required=True, help="ranks (GPUs)")
+    p.add_argument("--world", type=int, help="ranks (GPUs); required without --search")
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--etp", type=int, default=1)
+    p.add_argument("--sp", type=int, default=1, help="sequence-parallel ranks per sample (default: 1)")
     p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2], help="ZeRO stage (default: 1)")
+    p.add_argument("--seq-length", type=int, default=8192, help="tokens per sample (default: 8192)")
+    p.add_argument(
+        "--micro-batch-size", type=int, default=1, help="samples per rank per micro-step (default: 1)"
+    )
+    p.add_argument(
+        "--recompute", default="none", choices=RECOMPUTE_ORDER, help="as the trainer's (default: none)"
+    )
     p.add_argument("--fp32", action="store_true", help="fp32 training (default: bf16)")
     p.add_argument("--lora-rank", type=int, default=0, help="a LoRA run of this rank (0: full fine-tuning)")
     p.add_argument("--no-mtp", action="store_true", help="without the MTP layer")
     p.add_argument("--gpu-memory", default="141GB", help="memory of one GPU (default: 141GB, an H200)")
+    p.add_argument("--search", action="store_true", help="the smallest world and the layouts that fit in it "
+                   "(--world / --ep / --etp / --sp / --zero / --recompute are searched)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning)  # megatron's notices about optional kernels
     try:
-        cfg = (
-            preset(args.model_config)
-            if args.model_config in PRESETS
-            else Glm53Config.from_hf(args.model_config)
-        )
+        cfg = _config(args.model_config)
+        if args.no_mtp:
+            cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
         gpu = parse_bytes(args.gpu_memory)
-        counts = count_parameters(cfg, args.ep, args.etp, lora_rank=args.lora_rank, mtp=not args.no_mtp)
-        state = state_bytes(counts, args.world, args.ep, args.etp, args.zero, bf16=not args.fp32)
+        if args.seq_length > cfg.max_position_embeddings:
+            raise ValueError(f"--seq-length {args.seq_length} > the config's max_position_embeddings "
+                             f"{cfg.max_position_embeddings}")  # fmt: skip
+        if args.search:
+            return _search(args, cfg, gpu)
+        if args.world is None:
+            raise ValueError("--world is required (or --search for the smallest layouts that fit)")
+        validate_layout(args.world, args.ep, args.etp, cfg, sp=args.sp, seq_length=args.seq_length)
+        layout = Layout(args.world, args.ep, args.etp, args.sp, args.zero, args.recompute)
+        memory = rank_memory(cfg, layout, args.seq_length, args.micro_batch_size, gpu, bf16=not args.fp32,
+                             lora_rank=args.lora_rank)  # fmt: skip
+        counts = count_parameters(cfg, args.ep, args.etp, lora_rank=args.lora_rank)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result = {
-        "model": args.model_config, "world": args.world, "ep": args.ep, "etp": args.etp, "zero": args.zero,
-        "dtype": "fp32" if args.fp32 else "bf16", "lora_rank": args.lora_rank,
+        "model": args.model_config, "world": args.world, "ep": args.ep, "etp": args.etp, "sp": args.sp,
+        "zero": args.zero, "dtype": "fp32" if args.fp32 else "bf16", "lora_rank": args.lora_rank,
+        "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size, "recompute": args.recompute,
         "parameters": {"total": counts.total, "active": counts.active, "trained": counts.trained,
                        "frozen": counts.frozen, "buffers": counts.buffers},
-        "bytes_per_rank": state.as_dict(), "gpu_memory": gpu, "left_for_activations": gpu - state.total,
+        "bytes_per_rank": memory.state.as_dict(), "memory": memory.as_dict(), "gpu_memory": gpu,
     }  # fmt: skip
     if args.json:
         print(json.dumps(result))
         return 0
     adapters = " with the LoRA adapters" if args.lora_rank else ""
-    print(f"{args.model_config}: {counts.total:,} parameters{adapters} ({counts.active:,} active per token); world "
-          f"{args.world}, EP {args.ep}, ETP {args.etp}, ZeRO {args.zero}, {result['dtype']}"
-          f"{f', LoRA rank {args.lora_rank}' if args.lora_rank else ''}")  # fmt: skip
+    print(f"{args.model_config}: {counts.total:,} parameters{adapters} ({counts.active:,} active per token); "
+          f"{layout}, {result['dtype']}{f', LoRA rank {args.lora_rank}' if args.lora_rank else ''}; "
+          f"{args.micro_batch_size} x {args.seq_length:,} tokens per micro-batch")  # fmt: skip
     print("per rank, parameters held (trained / frozen):")
     for kind in KINDS:
         print(f"  {kind:<11} {counts.trained[kind]:>16,} / {counts.frozen[kind]:,}")
     print("per rank, training state:")
-    for key, value in state.as_dict().items():
+    for key, value in memory.state.as_dict().items():
         print(f"  {key:<11} {value / GiB:10.2f} GiB")
-    verdict = "fits" if state.total < gpu else "does NOT fit"
-    print(f"training state {state.total / GiB:.2f} GiB of {gpu / GiB:.2f} GiB: {verdict}; "
-          f"{max(0, gpu - state.total) / GiB:.2f} GiB left for activations, the loss head and communication "
-          "buffers (not modelled yet)")  # fmt: skip
+    _print_memory(memory)
+    return 0
+
+
+def _print_memory(memory: RankMemory) -> None:
+    tokens = "" if memory.layout.sp == 1 else f", each rank 1/{memory.layout.sp} of every sample's tokens"
+    print(f"per rank, activations (recompute {memory.layout.recompute}{tokens}):")
+    for kind, row in memory.by_kind.items():
+        print(f"  {kind:<38} {row['layers']:>3} x {row['saved_per_layer'] / GiB:8.3f} GiB kept per layer")
+    print(f"  {'loss head (chunked), in its backward':<38} {memory.loss_head / GiB:14.2f} GiB")
+    print(f"  {'peak (kept from the forward)':<38} {memory.activations / GiB:14.2f} GiB "
+          f"({memory.activations_saved / GiB:.2f})")  # fmt: skip
+    print(f"communication buffers (ZeRO-{memory.layout.zero} reduction buckets) "
+          f"{memory.communication / GiB:.2f} GiB")  # fmt: skip
+    usable = (1 - RESERVE_FRACTION) * memory.gpu
+    verdict = "fits" if memory.fits else "does NOT fit"
+    print(f"total {memory.total / GiB:.2f} GiB per rank of {memory.gpu / GiB:.2f} GiB ({usable / GiB:.2f} GiB after "
+          f"a {RESERVE_FRACTION:.0%} reserve for the CUDA context, NCCL and fragmentation): {verdict}")  # fmt: skip
+
+
+def _search(args: argparse.Namespace, cfg: Glm53Config, gpu: int) -> int:
+    world, fitting = search(cfg, args.seq_length, args.micro_batch_size, gpu, bf16=not args.fp32,
+                            lora_rank=args.lora_rank)  # fmt: skip
+    what = (
+        f"{'LoRA rank ' + str(args.lora_rank) if args.lora_rank else 'full fine-tuning'}, "
+        f"{args.micro_batch_size} x {args.seq_length:,} tokens, {args.gpu_memory} GPUs"
+    )
+    if args.json:
+        print(
+            json.dumps({"model": args.model_config, "world": world, "fits": [m.as_dict() for m in fitting]})
+        )
+        return 0 if fitting else 1
+    if not fitting:
+        print(f"{args.model_config}, {what}: no layout of up to 1024 GPUs fits")
+        return 1
+    print(f"{args.model_config}, {what}: the smallest world that fits is {world} GPUs; its layouts, the cheapest "
+          "first (less recompute, less SP, less ETP, then less memory):")  # fmt: skip
+    for m in fitting:
+        print(f"  {m.layout}: {m.total / GiB:.1f} GiB per rank (state {m.state.total / GiB:.1f}, activations "
+              f"{m.activations / GiB:.1f})")  # fmt: skip
     return 0
 
 

@@ -49,12 +49,14 @@ from ..layers.lora_targets import apply_lora
 from ..model import Glm53Model
 from ..parallel import init_layout
 from ..specs import get_glm53_block_spec, get_glm53_mtp_block_spec
+from ..training.config import TrainConfig, recompute_overrides
 from ..training.presets import PRESETS, preset
 from ..training.trainable import select_trainable
 from ..transformer_config import make_transformer_config
 from .counts import count_parameters, lora_spec, whole_model_on_meta
 
 INT32_LIMIT = 2**31 - 1
+LOSS_CHUNK_MIB = TrainConfig.loss_chunk_mib  # the trainer's default chunk of the loss head's fp32 logits
 
 # ops that only store, move or select int32 values (no arithmetic on them)
 _INT32_STORAGE_OPS = {
@@ -117,10 +119,12 @@ def fake_world(world: int, rank: int = 0) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        if dist.get_world_size() != world or dist.get_backend() != "fake":
+        if dist.get_backend() != "fake":
             raise RuntimeError(f"a dry run needs its own fake world of {world} ranks; this process already "
                                f"has a {dist.get_backend()} world of {dist.get_world_size()}")  # fmt: skip
-        return
+        if dist.get_world_size() == world and dist.get_rank() == rank:
+            return
+        dist.destroy_process_group()  # another layout's fake world (the planner's --search)
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
 
 
@@ -133,19 +137,9 @@ def dry_run(
     if seq_length > cfg.max_position_embeddings:
         raise ValueError(f"--seq-length {seq_length} > max_position_embeddings {cfg.max_position_embeddings}")
     report = DryRun(name, seq_length, micro_batch, ep, etp, rank, lora_rank, gpt_model)
-    fake_world(ep * etp, rank)
-    layout = init_layout(ep, etp, cfg)
-    shard = layout.expert_shard(cfg)
-    tconfig = make_transformer_config(cfg, torch.bfloat16, mtp=gpt_model and cfg.num_nextn_predict_layers > 0,
-                                      expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-                                      perform_initialization=False)  # fmt: skip
     start = time.perf_counter()
-    with torch.device("meta"):
-        model = _gpt_model(cfg, tconfig, seq_length) if gpt_model else Glm53Model(
-            tconfig, pg_collection=layout.pg_collection)  # fmt: skip
-        if lora_rank:
-            apply_lora(model, lora_spec(lora_rank))
-    select_trainable(model, lora=bool(lora_rank), trainable=None, freeze=None, train_indexer=False)
+    model, shard = rank_model_on_meta(cfg, ep, etp, rank=rank, lora_rank=lora_rank,
+                                      gpt_model_length=seq_length if gpt_model else 0)  # fmt: skip
     report.seconds["build"] = time.perf_counter() - start
     report.parameters_held = sum(p.numel() for p in model.parameters())
     planned = count_parameters(cfg, ep, etp, lora_rank=lora_rank)
@@ -185,6 +179,29 @@ def dry_run(
     report.trained_tensors = sum(p.requires_grad for p in model.parameters())
     report.problems += gradient_problems(model)
     return report
+
+
+def rank_model_on_meta(
+    cfg: Glm53Config, ep: int = 1, etp: int = 1, sp: int = 1, rank: int = 0, lora_rank: int = 0,
+    recompute: str = "none", gpt_model_length: int = 0,
+) -> tuple[torch.nn.Module, Any]:  # fmt: skip
+    """Rank `rank` of a fake world of EP x ETP x SP ranks (joined here): its model as the trainer builds it (bf16,
+    the LoRA adapters and trainable set of a run, the `--recompute` mode), on the meta device, and its expert shard.
+    `gpt_model_length` > 0: a stock megatron `GPTModel` from the specs for sequences of that length instead."""
+    fake_world(ep * etp * sp, rank)
+    layout = init_layout(ep, etp, cfg, sp=sp)
+    gpt_model = gpt_model_length > 0
+    tconfig = make_transformer_config(cfg, torch.bfloat16, mtp=gpt_model and cfg.num_nextn_predict_layers > 0,
+                                      expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                                      perform_initialization=False, loss_chunk_bytes=LOSS_CHUNK_MIB * 2**20,
+                                      **recompute_overrides(recompute))  # fmt: skip
+    with torch.device("meta"):
+        model = _gpt_model(cfg, tconfig, gpt_model_length) if gpt_model else Glm53Model(
+            tconfig, pg_collection=layout.pg_collection)  # fmt: skip
+        if lora_rank:
+            apply_lora(model, lora_spec(lora_rank))
+    select_trainable(model, lora=bool(lora_rank), trainable=None, freeze=None, train_indexer=False)
+    return model, layout.expert_shard(cfg)
 
 
 def gradient_problems(model: torch.nn.Module) -> list[str]:

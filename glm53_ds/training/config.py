@@ -16,6 +16,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from ..checkpoint import CheckpointDir
 from ..config import Glm53Config
@@ -28,6 +29,18 @@ from .presets import DEFAULT_ROUTER_BIAS_UPDATE_RATE, PRESET_ROUTER_BIAS_UPDATE_
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_DATA = os.path.join(REPO_ROOT, "data", "tiny_corpus.txt")
 RECOMPUTE = ("none", "selective", "full")
+
+
+def recompute_overrides(mode: str) -> dict[str, Any]:
+    """The transformer-config fields of a `--recompute` mode: selective recomputes the mHC mixes and the MLP / MoE
+    in backward; full recomputes each whole layer (megatron's uniform method, one layer per checkpoint)."""
+    if mode == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["mhc", "mlp", "moe"])
+    if mode == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if mode != "none":
+        raise ValueError(f"--recompute must be one of {RECOMPUTE}, got {mode!r}")
+    return {}
 
 
 class SetupError(ValueError):

@@ -51,7 +51,7 @@ from ..parallel.replicas import check_replicas
 from ..safe_io import DirectoryLock
 from ..transformer_config import make_transformer_config
 from .args import build_parser
-from .config import SetupError, TrainConfig, resolve_model
+from .config import SetupError, TrainConfig, recompute_overrides, resolve_model
 from .data import SampleStream, load_tokenizer, open_stream
 from .metrics import MetricsWriter, StepMetrics, WandbRun, plot_loss
 from .packing import Batch, PackedRowStream, hold_out
@@ -168,14 +168,6 @@ def _or_setup_error(fn: Any, alike: bool = False) -> Any:
         error = SetupError(str(e))
         error.agreed = alike  # type: ignore[attr-defined]
         raise error from e
-
-
-def _recompute(mode: str) -> dict[str, Any]:
-    if mode == "selective":
-        return dict(recompute_granularity="selective", recompute_modules=["mhc", "mlp", "moe"])
-    if mode == "full":
-        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    return {}
 
 
 @dataclass(frozen=True)
@@ -494,7 +486,7 @@ class Trainer:
         tconfig = make_transformer_config(
             cfg, dtype=dtype, expert_model_parallel_size=c.ep, expert_tensor_parallel_size=c.etp,
             moe_seq_aux_loss_coef=c.aux_loss_coef, indexer_loss_coef=c.indexer_loss_coef,
-            loss_chunk_bytes=c.loss_chunk_mib * 2**20, **_recompute(c.recompute),
+            loss_chunk_bytes=c.loss_chunk_mib * 2**20, **recompute_overrides(c.recompute),
         )  # fmt: skip
         torch.manual_seed(c.seed)
         use_mtp = cfg.num_nextn_predict_layers > 0

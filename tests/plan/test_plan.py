@@ -7,6 +7,8 @@ and the command line.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -126,12 +128,55 @@ def test_partitions_per_rank_at_ep2_over_four_ranks(tmp_path):
                     stage, bf16, lora, key, measured, planned)  # fmt: skip
 
 
+def _plan(*args: str) -> dict:
+    """The planner as a user runs it (its activation trace joins a fake world: its own process)."""
+    run = subprocess.run([sys.executable, "-m", "glm53_ds.plan", *args, "--json"], capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert run.returncode in (0, 1), run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 def test_the_command_line(capsys):
-    assert plan_main(["--model-config", "tiny", "--world", "2", "--ep", "2", "--zero", "2", "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
-    assert result["bytes_per_rank"]["total"] == sum(result["bytes_per_rank"][k] for k in
-                                                    ("weights", "gradients", "masters", "moments"))  # fmt: skip
-    assert plan_main(["--model-config", "tiny", "--world", "3", "--ep", "2"]) == 2
-    assert "world 3 is not a multiple of EP x ETP = 2" in capsys.readouterr().err
+    result = _plan("--model-config", "tiny", "--world", "2", "--ep", "2", "--zero", "2", "--seq-length", "128",
+                   "--recompute", "selective")  # fmt: skip
+    state, memory = result["bytes_per_rank"], result["memory"]
+    assert state["total"] == sum(state[k] for k in ("weights", "gradients", "masters", "moments"))
+    assert memory["total"] == state["total"] + memory["activations"] + memory["communication"]
+    assert 0 < memory["activations_saved"] <= memory["activations"] and memory["fits"]
+    assert memory["communication"] == 2 * 500_000_000 * 2  # ZeRO-2, overlap_comm: two bf16 buckets
+    assert {"linear_attention/dense", "mtp"} <= set(memory["activations_by_kind"])
+    assert plan_main(["--model-config", "tiny", "--world", "3", "--ep", "2", "--seq-length", "128"]) == 2
+    assert "world size 3 is not divisible by SP x EP x ETP = 1 x 2 x 1" in capsys.readouterr().err
     assert plan_main(["--model-config", "tiny", "--world", "1", "--gpu-memory", "lots"]) == 2
     assert "--gpu-memory 'lots'" in capsys.readouterr().err
+    assert plan_main(["--model-config", "tiny", "--world", "3", "--sp", "3", "--seq-length", "128"]) == 2
+    assert "seq_length 128 is not divisible by SP = 3" in capsys.readouterr().err
+    assert plan_main(["--model-config", "tiny", "--world", "1"]) == 2
+    assert "--seq-length 8192 > the config's max_position_embeddings 4096" in capsys.readouterr().err
+
+
+def test_search_finds_the_smallest_world_and_only_layouts_that_fit():
+    """The tiny model at 4 GB per GPU: world 8 is the smallest tried; every layout listed fits, the cheapest first
+    (no recompute before recompute); at 2.1 GB nothing does (ZeRO's two 1 GB buckets are past 92% of it)."""
+    result = _plan("--model-config", "tiny", "--search", "--seq-length", "128", "--gpu-memory", "4GB")
+    assert result["world"] == 8 and result["fits"]
+    assert all(m["fits"] and m["total"] <= 0.92 * 4e9 for m in result["fits"])
+    assert result["fits"][0]["layout"]["recompute"] == "none"
+    assert _plan("--model-config", "tiny", "--search", "--seq-length", "128", "--gpu-memory", "2.1GB") == {
+        "model": "tiny", "world": 0, "fits": []}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_released_models_activations_grow_with_the_tokens_and_shrink_with_sp():
+    """GLM-5.3-Flash at EP 32 x ETP 2 (meta): kept activations 4x from 8k to 32k tokens (within 1%), a quarter at
+    SP 4 (within 10%: SP's all-to-all buffers); full recompute keeps less than selective, selective less than
+    none."""
+    base = ["--world", "256", "--ep", "32", "--etp", "2", "--zero", "2"]
+    kept = {}
+    for length, sp, mode in [(8192, 1, "none"), (32768, 1, "none"), (32768, 4, "none"), (8192, 1, "selective"),
+                             (8192, 1, "full")]:  # fmt: skip
+        result = _plan(*base, "--seq-length", str(length), "--sp", str(sp), "--recompute", mode)
+        kept[(length, sp, mode)] = result["memory"]["activations_saved"]
+    assert abs(kept[(32768, 1, "none")] / kept[(8192, 1, "none")] - 4) < 0.04
+    assert abs(kept[(32768, 4, "none")] / kept[(32768, 1, "none")] - 0.25) < 0.025
+    assert kept[(8192, 1, "full")] < kept[(8192, 1, "selective")] < kept[(8192, 1, "none")]

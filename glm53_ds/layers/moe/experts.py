@@ -202,7 +202,12 @@ class GroupedExperts(nn.Module):
         return out if self.lora is None else out + self.lora.expert_delta("down", local_expert, act)
 
     def _loop(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        chunks = torch.split(rows, counts.tolist())
+        if rows.device.type == "meta":  # a shape-only run (plan/): no counts to read, the balanced split
+            n, experts = rows.shape[0], counts.numel()
+            sizes = [n // experts + (e < n % experts) for e in range(experts)]
+        else:
+            sizes = counts.tolist()
+        chunks = torch.split(rows, sizes)
         outputs = [self.expert_ffn(e, chunk) for e, chunk in enumerate(chunks) if chunk.shape[0] > 0]
         return torch.cat(outputs) if outputs else rows.new_zeros(rows.shape)
 

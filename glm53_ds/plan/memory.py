@@ -1,0 +1,163 @@
+"""One rank's whole memory at a layout, and the smallest layouts that fit a GPU.
+
+    total = training state (state.py: exact counts of the model built on meta)
+          + activations at their peak (activations.py: measured per layer kind on meta, composed over the model)
+          + communication buffers (ZeRO's gradient-reduction buckets)
+
+and a run fits when the total leaves `RESERVE_FRACTION` of the GPU free: the CUDA context, NCCL's buffers and the
+caching allocator's fragmentation are not modelled (together typically 2-8% of an 80-141 GB GPU).
+
+Communication buffers, as `glm53_ds.build_engine` configures DeepSpeed 0.19.8 on GPUs (contiguous_gradients and
+overlap_comm on; reduce_bucket_size left at its default of 5e8 elements): ZeRO 1 / 2 hold two reduction buckets of
+that size in the training dtype (double-buffered for the overlap), stage 0 flattens up to one bucket at a time. The
+expert-parallel all-to-all buffers are activations (the trace sees them).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..config import Glm53Config
+from ..parallel import init_layout
+from .activations import ActivationProfile, layer_kinds, plan_activations
+from .counts import ParameterCounts, count_parameters
+from .dry_run import fake_world
+from .state import StateBytes, state_bytes
+
+REDUCE_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed 0.19.8's default reduce_bucket_size (elements)
+RESERVE_FRACTION = 0.08  # of the GPU, left for the CUDA context, NCCL and allocator fragmentation
+RECOMPUTE_ORDER = ("none", "selective", "full")  # cheapest first: what --search prefers
+
+
+def communication_bytes(zero_stage: int, bf16: bool, overlap_comm: bool = True) -> int:
+    """ZeRO's gradient-reduction buckets (see the module docstring)."""
+    buckets = 2 if zero_stage >= 1 and overlap_comm else 1
+    return buckets * REDUCE_BUCKET_ELEMENTS * (2 if bf16 else 4)
+
+
+@dataclass
+class Layout:
+    world: int
+    ep: int
+    etp: int
+    sp: int
+    zero: int
+    recompute: str
+
+    def __str__(self) -> str:
+        return (f"world {self.world}: EP {self.ep} x ETP {self.etp} x SP {self.sp}, ZeRO {self.zero}, "
+                f"recompute {self.recompute}")  # fmt: skip
+
+
+@dataclass
+class RankMemory:
+    """One rank's memory at a layout (bytes)."""
+
+    layout: Layout
+    state: StateBytes
+    activations: int  # the step's activation peak (composed over the model)
+    activations_saved: int  # of which kept from the forward for backward
+    # the loss head's backward above what the forward kept (its fp32 logit chunks, the head's weight gradient)
+    loss_head: int
+    communication: int
+    gpu: int
+    # layer kind -> its layers, bytes kept per layer, backward peak above the layers below
+    by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.state.total + self.activations + self.communication
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= (1 - RESERVE_FRACTION) * self.gpu
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(layout=asdict(self.layout), state=self.state.as_dict(), activations=self.activations,
+                    activations_saved=self.activations_saved, loss_head=self.loss_head,
+                    communication=self.communication, total=self.total, gpu_memory=self.gpu, fits=self.fits,
+                    activations_by_kind=self.by_kind)  # fmt: skip
+
+
+def rank_memory(
+    cfg: Glm53Config, layout: Layout, seq_length: int, micro_batch: int, gpu: int,
+    counts: ParameterCounts | None = None, bf16: bool = True, lora_rank: int = 0,
+    profile: ActivationProfile | None = None,
+) -> RankMemory:  # fmt: skip
+    """The memory of one rank of `layout` (`counts`: the rank's parameters at its EP x ETP; `profile`: its
+    activations; each computed here when not given, the trace first: it joins the layout's fake world, in which
+    the planner's meta builds run too)."""
+    if profile is None:
+        profile = plan_activations(cfg, seq_length, micro_batch, layout.ep, layout.etp, layout.sp,
+                                   layout.recompute, lora_rank)  # fmt: skip
+    if counts is None:
+        counts = count_parameters(cfg, layout.ep, layout.etp, lora_rank=lora_rank,
+                                  mtp=cfg.num_nextn_predict_layers > 0)  # fmt: skip
+    state = state_bytes(counts, layout.world, layout.ep, layout.etp, layout.zero, bf16=bf16)
+    kinds = layer_kinds(cfg)
+    by_kind = {
+        kind: {"layers": kinds.count(kind) if kind != "mtp" else cfg.num_nextn_predict_layers,
+               "saved_per_layer": unit.saved, "backward_peak": unit.backward_peak}
+        for kind, unit in profile.units.items()
+    }  # fmt: skip
+    return RankMemory(layout, state, profile.peak(kinds), profile.saved(kinds), profile.head_backward_peak,
+                      communication_bytes(layout.zero, bf16), gpu, by_kind)  # fmt: skip
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
+
+
+def search(
+    cfg: Glm53Config, seq_length: int, micro_batch: int, gpu: int, bf16: bool = True, lora_rank: int = 0,
+    worlds: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512, 1024), zero_stages: tuple[int, ...] = (1, 2),
+    recompute_modes: tuple[str, ...] = RECOMPUTE_ORDER, max_sp: int = 16, max_etp: int = 8, show: int = 10,
+) -> tuple[int, list[RankMemory]]:  # fmt: skip
+    """The smallest world (of `worlds`, in GPUs) at which some layout fits, and up to `show` layouts that fit
+    there, the cheapest first: less recompute, less SP, less ETP, then less memory. (0, []) when nothing fits.
+
+    Layouts: EP, ETP and SP powers of two that divide the experts, their FFN width, the heads and the length;
+    ZeRO 1 and 2; each recompute mode. A layout whose training state alone does not fit is not traced; the others'
+    activations are traced once per EP x ETP x SP x recompute (EP matters: the backward holds the local experts'
+    weight gradients for a moment)."""
+    mtp = cfg.num_nextn_predict_layers > 0
+    usable = (1 - RESERVE_FRACTION) * gpu
+    fake_world(1)  # the counts' meta builds need a world and megatron's state; each trace sets its layout's
+    init_layout(1, 1, cfg)
+    profiles: dict[tuple[int, int, int, str], ActivationProfile] = {}
+    count_cache: dict[tuple[int, int], ParameterCounts] = {}
+    for world in worlds:
+        fitting = []
+        for etp, sp, ep in itertools.product(_powers_of_two(max_etp), _powers_of_two(max_sp),
+                                             _powers_of_two(cfg.n_routed_experts)):  # fmt: skip
+            if world % (ep * etp * sp) or not _valid(cfg, seq_length, ep, etp, sp):
+                continue
+            if (ep, etp) not in count_cache:
+                count_cache[(ep, etp)] = count_parameters(cfg, ep, etp, lora_rank=lora_rank, mtp=mtp)
+            counts = count_cache[(ep, etp)]
+            for zero in zero_stages:
+                state = state_bytes(counts, world, ep, etp, zero, bf16=bf16)
+                if state.total + communication_bytes(zero, bf16) > usable:
+                    continue
+                for recompute in recompute_modes:
+                    key = (ep, etp, sp, recompute)
+                    if key not in profiles:
+                        profiles[key] = plan_activations(cfg, seq_length, micro_batch, ep, etp, sp, recompute,
+                                                         lora_rank)  # fmt: skip
+                    memory = rank_memory(cfg, Layout(world, ep, etp, sp, zero, recompute), seq_length, micro_batch,
+                                         gpu, counts, bf16, lora_rank, profiles[key])  # fmt: skip
+                    if memory.fits:
+                        fitting.append(memory)
+        if fitting:
+            fitting.sort(key=lambda m: (RECOMPUTE_ORDER.index(m.layout.recompute), m.layout.sp, m.layout.etp,
+                                        m.total))  # fmt: skip
+            return world, fitting[:show]
+    return 0, []
+
+
+def _valid(cfg: Glm53Config, seq_length: int, ep: int, etp: int, sp: int) -> bool:
+    experts_ok = cfg.n_routed_experts % ep == 0 and cfg.moe_intermediate_size % etp == 0
+    heads_ok = cfg.num_attention_heads % sp == 0 and cfg.linear_num_heads % sp == 0
+    return experts_ok and heads_ok and seq_length % sp == 0
