@@ -9,7 +9,8 @@
 #      per-expert loop at the released width (36 local experts = 288 / EP 8, I 2048, bf16: TFLOP/s), hc_post, the
 #      whole fwd+bwd step vs transformers on a real-width GLM-5.3 slice (with its host syncs), the mHC overhead;
 #   4. a training run through the DeepSpeed launcher on the GPU (NCCL, bf16, ZeRO-2): the README job, 30 steps;
-#   5. sequence parallelism: sp_memory.py on CUDA (SP sizes up to the number of visible GPUs; one GPU measures the
+#   5. the activation planner vs the caching allocator's peak of real steps (benchmarks/plan_check.py);
+#   6. sequence parallelism: sp_memory.py on CUDA (SP sizes up to the number of visible GPUs; one GPU measures the
 #      SP = 1 baseline at 32k tokens, the ratios need more GPUs). Last, so that it is the step cut if time runs out.
 # Each step has its own time limit; a failed or timed-out step is logged and the next one runs.
 #
@@ -61,6 +62,7 @@ step() {  # step LIMIT_SECONDS COMMAND...
     step 300 python3 benchmarks/head_memory.py --tokens 512 --repeats 1
     step 300 python3 -m deepspeed.launcher.runner --num_gpus 1 launch/train.py --train-iters 3 \
       --deepspeed_config ds_configs/zero2_bf16.json --output-dir "$results/train"
+    step 120 python3 benchmarks/plan_check.py --hidden 64 --tokens 256
     step 300 python3 benchmarks/sp_memory.py --tokens 1024 --sp 1 2
   else
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -75,6 +77,7 @@ step() {  # step LIMIT_SECONDS COMMAND...
     step 35 python3 benchmarks/head_memory.py --tokens 16384
     step 70 python3 -m deepspeed.launcher.runner --num_gpus 1 launch/train.py --train-iters 30 \
       --deepspeed_config ds_configs/zero2_bf16.json --output-dir "$results/train"
+    step 30 python3 benchmarks/plan_check.py --device cuda --hidden 1024 --tokens 4096
     step 35 python3 benchmarks/sp_memory.py --device cuda --tokens 32768
   fi
   date -u

@@ -2,8 +2,10 @@
 
 `counts.py` counts the parameters one rank holds exactly, from the model built on the meta device at the config
 and layout; `state.py` turns them into the bytes of weights, gradients, fp32 masters and Adam moments as the engine
-holds them. Activations are not modelled yet: the planner says so rather than guess. `dry_run.py` runs the released
-model at a layout on meta tensors, forward and backward (`python -m glm53_ds.plan.dry_run`).
+holds them; `activations.py` measures the activations per layer kind on a reduced model and composes them over the
+model; `memory.py` adds the communication buffers, compares with a GPU and searches the layouts that fit.
+`dry_run.py` runs the released model at a layout on meta tensors, forward and backward
+(`python -m glm53_ds.plan.dry_run`).
 """
 
 from .counts import ParameterCounts, count_parameters

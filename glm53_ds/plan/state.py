@@ -14,7 +14,7 @@ weight only.
     moments      Adam's two fp32 moments of the partition (of the whole tensor at stage 0)
     fp32-kept    in a bf16 run, HF's fp32-kept tensors train outside DeepSpeed (engine/fp32_params.py):
                  a whole fp32 gradient and two moments on every rank
-Reduction buckets and other communication buffers are not in these numbers.
+Reduction buckets are memory.py's; activations are activations.py's.
 """
 
 from __future__ import annotations

@@ -1,0 +1,51 @@
+"""The released model's memory table for docs/usage.md, from the planner (`glm53_ds.plan.memory.search`).
+
+    python benchmarks/plan_table.py [--lengths 8192,32768,131072] [--lora-rank 16]
+
+For full fine-tuning and LoRA, at each length, on H200 (141 GB) and H100 (80 GB): the smallest world (GPUs) at
+which some layout fits, and that layout (the cheapest: least recompute, SP and ETP). One markdown row each; the
+last line is the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+
+from glm53_ds.plan.memory import search
+from glm53_ds.plan.state import GiB
+from glm53_ds.training.presets import preset
+
+GPUS = {"H200": 141 * 10**9, "H100-80GB": 80 * 10**9}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--lengths", default="8192,32768,131072")
+    p.add_argument("--lora-rank", type=int, default=16)
+    args = p.parse_args()
+    warnings.filterwarnings("ignore")
+    cfg = preset("glm-5.3-flash")
+    start, rows = time.process_time(), 0
+    print("| run | tokens | GPU | smallest world | layout | per rank (state + activations + buffers) |")
+    print("|---|---|---|---|---|---|")
+    for lora in (0, args.lora_rank):
+        for length in (int(x) for x in args.lengths.split(",")):
+            for gpu_name, gpu in GPUS.items():
+                world, fitting = search(cfg, length, 1, gpu, lora_rank=lora)
+                run = f"LoRA r={lora}" if lora else "full SFT"
+                if not fitting:
+                    print(f"| {run} | {length:,} | {gpu_name} | > 1024 | — | — |", flush=True)
+                    continue
+                m = fitting[0]
+                lay = m.layout
+                print(f"| {run} | {length:,} | {gpu_name} | {world} | EP {lay.ep} × ETP {lay.etp} × SP {lay.sp}, "
+                      f"ZeRO {lay.zero}, recompute {lay.recompute} | {m.total / GiB:.0f} GiB ({m.state.total / GiB:.0f}"
+                      f" + {m.activations / GiB:.0f} + {m.communication / GiB:.1f}) |", flush=True)  # fmt: skip
+                rows += 1
+    print(f"plan_table: {rows} rows, {time.process_time() - start:.0f} s CPU")
+
+
+if __name__ == "__main__":
+    main()
