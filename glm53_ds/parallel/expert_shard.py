@@ -147,3 +147,9 @@ class ExpertShard:
             kind = expert_tensor_kind(name)
             out[name] = tensor if kind is None else self.shard(kind, tensor).clone()
         return out
+
+
+def balanced_split(n: int, parts: int) -> list[int]:
+    """`n` rows over `parts` as evenly as possible: the routing a shape-only (meta) run assumes, having no counts
+    to read."""
+    return [n // parts + (i < n % parts) for i in range(parts)]

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import all_to_all, exchange_counts, gather_rows, reduce_rows
-from .expert_shard import ExpertShard
+from .expert_shard import ExpertShard, balanced_split
 from .row_permutation import inverse_permutation, permute_rows
 
 if TYPE_CHECKING:  # the MoE layer imports this module
@@ -90,7 +90,7 @@ class ExpertParallelDispatch:
     def _balanced_counts(self, pairs: int) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
         """`_counts` for a shape-only dry run (meta tensors: no routing to read): every rank routes its `pairs`
         evenly over the experts, the load the router's bias steers towards."""
-        send = [pairs // self.ep_size + (r < pairs % self.ep_size) for r in range(self.ep_size)]
+        send = balanced_split(pairs, self.ep_size)
         recv = [send[dist.get_rank(self.ep_group)]] * self.ep_size
         matrix = torch.empty(
             self.etp_size * self.ep_size, self.shard.num_local, dtype=torch.long, device="meta"

@@ -24,6 +24,7 @@ import warnings
 from ..config import Glm53Config
 from ..parallel.layout import validate_layout
 from ..training.presets import PRESETS, preset
+from .activations import plan_activations
 from .counts import KINDS, count_parameters
 from .memory import RECOMPUTE_ORDER, RESERVE_FRACTION, Layout, RankMemory, rank_memory, search
 from .state import GiB
@@ -83,9 +84,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--world is required (or --search for the smallest layouts that fit)")
         validate_layout(args.world, args.ep, args.etp, cfg, sp=args.sp, seq_length=args.seq_length)
         layout = Layout(args.world, args.ep, args.etp, args.sp, args.zero, args.recompute)
-        memory = rank_memory(cfg, layout, args.seq_length, args.micro_batch_size, gpu, bf16=not args.fp32,
-                             lora_rank=args.lora_rank)  # fmt: skip
+        # the trace first: it joins the layout's fake world, in which the counts' meta build runs too
+        profile = plan_activations(cfg, args.seq_length, args.micro_batch_size, args.ep, args.etp, args.sp,
+                                   args.recompute, args.lora_rank)  # fmt: skip
         counts = count_parameters(cfg, args.ep, args.etp, lora_rank=args.lora_rank)
+        memory = rank_memory(cfg, layout, args.seq_length, args.micro_batch_size, gpu, counts, bf16=not args.fp32,
+                             lora_rank=args.lora_rank, profile=profile)  # fmt: skip
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

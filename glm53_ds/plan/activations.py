@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_leaves
 from ..config import Glm53Config
 from ..layers.mtp import Glm53MtpLayer
 from ..model import Glm53Model
+from ..parallel.layout import validate_layout
 from .dry_run import rank_model_on_meta
 
 MTP_KIND = "mtp"
@@ -182,24 +183,24 @@ def _unit_hooks(
     """Marks each unit's forward and backward with the tracker; yields a flag list whose item is True in backward."""
     in_backward = [False]
     handles: list[Any] = []
-    pending: list[tuple[int, int]] = []  # (unit index, its backward start's live bytes) of the running window
+    running: list[int] = []  # the unit whose backward window is open (none: the loss head's)
 
     def close_window() -> None:
-        if pending:
-            index, _ = pending.pop()
-            record[index]["backward_window"] = tracker.peak
+        if running:
+            record[running.pop()]["backward_window"] = tracker.peak
         else:
             record.setdefault(-1, {})["head_backward_window"] = tracker.peak
 
     def begin_backward(index: int) -> None:
         close_window()
-        pending.append((index, tracker.mark()))
+        tracker.mark()
+        running.append(index)
 
     for index, (_, module) in enumerate(_units(model)):
 
         def pre(_module: nn.Module, _args: Any, index: int = index) -> None:
             if in_backward[0]:  # full recompute: the layer's backward starts with its forward again
-                if not pending or pending[-1][0] != index:
+                if running != [index]:
                     begin_backward(index)
                 return
             record[index] = {"before": tracker.mark()}
@@ -282,8 +283,7 @@ def plan_activations(
     layout holds the same shapes), measured on the meta device on the reduced model: one micro-batch of
     `micro_batch` x `seq_length` tokens through the loss and back, the `--recompute` mode and LoRA adapters of the
     run. Compose it over the whole model with `peak(layer_kinds(cfg))`."""
-    if seq_length % sp:
-        raise ValueError(f"--seq-length {seq_length} is not divisible by --sp {sp}")
+    validate_layout(ep * etp * sp, ep, etp, cfg, sp=sp, seq_length=seq_length)
     model, _ = rank_model_on_meta(reduced_config(cfg), ep, etp, sp, lora_rank=lora_rank, recompute=recompute)
     assert isinstance(model, Glm53Model)
     ids = torch.zeros(micro_batch, seq_length, dtype=torch.long, device="meta")

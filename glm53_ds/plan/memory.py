@@ -21,7 +21,8 @@ from typing import Any
 
 from ..config import Glm53Config
 from ..parallel import init_layout
-from .activations import ActivationProfile, layer_kinds, plan_activations
+from ..parallel.layout import validate_layout
+from .activations import MTP_KIND, ActivationProfile, layer_kinds, plan_activations
 from .counts import ParameterCounts, count_parameters
 from .dry_run import fake_world
 from .state import StateBytes, state_bytes
@@ -98,7 +99,7 @@ def rank_memory(
     state = state_bytes(counts, layout.world, layout.ep, layout.etp, layout.zero, bf16=bf16)
     kinds = layer_kinds(cfg)
     by_kind = {
-        kind: {"layers": kinds.count(kind) if kind != "mtp" else cfg.num_nextn_predict_layers,
+        kind: {"layers": kinds.count(kind) if kind != MTP_KIND else profile.mtp_layers,
                "saved_per_layer": unit.saved, "backward_peak": unit.backward_peak}
         for kind, unit in profile.units.items()
     }  # fmt: skip
@@ -132,7 +133,9 @@ def search(
         fitting = []
         for etp, sp, ep in itertools.product(_powers_of_two(max_etp), _powers_of_two(max_sp),
                                              _powers_of_two(cfg.n_routed_experts)):  # fmt: skip
-            if world % (ep * etp * sp) or not _valid(cfg, seq_length, ep, etp, sp):
+            try:
+                validate_layout(world, ep, etp, cfg, sp=sp, seq_length=seq_length)
+            except ValueError:
                 continue
             if (ep, etp) not in count_cache:
                 count_cache[(ep, etp)] = count_parameters(cfg, ep, etp, lora_rank=lora_rank, mtp=mtp)
@@ -155,9 +158,3 @@ def search(
                                         m.total))  # fmt: skip
             return world, fitting[:show]
     return 0, []
-
-
-def _valid(cfg: Glm53Config, seq_length: int, ep: int, etp: int, sp: int) -> bool:
-    experts_ok = cfg.n_routed_experts % ep == 0 and cfg.moe_intermediate_size % etp == 0
-    heads_ok = cfg.num_attention_heads % sp == 0 and cfg.linear_num_heads % sp == 0
-    return experts_ok and heads_ok and seq_length % sp == 0

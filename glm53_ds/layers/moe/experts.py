@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import backends
-from ...parallel.expert_shard import ExpertShard
+from ...parallel.expert_shard import ExpertShard, balanced_split
 from ...transformer_config import Glm53TransformerConfig
 from ..lora import GroupedLora
 from .token_permutation import RoutedTokens
@@ -202,11 +202,8 @@ class GroupedExperts(nn.Module):
         return out if self.lora is None else out + self.lora.expert_delta("down", local_expert, act)
 
     def _loop(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        if rows.device.type == "meta":  # a shape-only run (plan/): no counts to read, the balanced split
-            n, experts = rows.shape[0], counts.numel()
-            sizes = [n // experts + (e < n % experts) for e in range(experts)]
-        else:
-            sizes = counts.tolist()
+        on_meta = rows.device.type == "meta"  # a shape-only run (plan/): no counts to read
+        sizes = balanced_split(rows.shape[0], counts.numel()) if on_meta else counts.tolist()
         chunks = torch.split(rows, sizes)
         outputs = [self.expert_ffn(e, chunk) for e, chunk in enumerate(chunks) if chunk.shape[0] > 0]
         return torch.cat(outputs) if outputs else rows.new_zeros(rows.shape)
