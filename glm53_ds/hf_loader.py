@@ -123,9 +123,17 @@ def load_hf_state_into(
         return False  # a tensor of another pipeline stage
 
     names = [n for n in checkpoint.keys() if wanted(n)]
+    wrong_dtype: list[str] = []
     for raw_name, tensor in checkpoint.tensors(names):
         name = canonical_text_name(raw_name)
         if name is None or is_mtp_shared_duplicate(name, cfg):
+            continue
+        if tensor.dtype not in (
+            torch.float32,
+            torch.bfloat16,
+            torch.float16,
+        ):  # int bits would load as values
+            wrong_dtype.append(f"{raw_name} is stored as {str(tensor.dtype).removeprefix('torch.')}")
             continue
         if not mtp and is_mtp_name(name, cfg):
             continue  # MTP weights present but MTP not wanted
@@ -156,6 +164,10 @@ def load_hf_state_into(
                     target.copy_(part.to(target.dtype))
                 filled[p.native] = filled.get(p.native, 0) + target.numel()
 
+    if wrong_dtype:
+        raise CheckpointError(f"checkpoint {checkpoint.directory}: {len(wrong_dtype)} tensor(s) not in float32 / "
+                              "bfloat16 / float16 (an FP8 checkpoint: convert it with hf-to-native first): "
+                              f"{_listing(wrong_dtype)}")  # fmt: skip
     missing = [n for n in layout if n in held and n not in seen and _wanted(n, shard)]  # checkpoint order
     problems = []
     if missing:
@@ -164,6 +176,7 @@ def load_hf_state_into(
         problems.append(f"unexpected {len(unexpected)} tensor(s): {_listing(unexpected)}")
     if mismatched:
         problems.append(f"shape mismatch for {len(mismatched)} tensor(s): {_listing(mismatched)}")
+
     if problems:
         raise CheckpointError(
             f"checkpoint {checkpoint.directory} does not match the model: " + "; ".join(problems)

@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import ctypes
+import errno
+import fcntl
 import json
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import time
 import uuid
@@ -123,34 +127,105 @@ def atomic_write_text(path: str, text: str) -> None:
     fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def new_temp_dir(final: str) -> str:
-    """A fresh, empty directory beside `final` (same file system, so a rename moves it into place)."""
+    """A fresh, empty directory beside `final` (same file system, so a rename moves it into place), with the mode a
+    plain `mkdir` gives under the umask (`mkdtemp`'s 0700 would leave an export unreadable to its serving user)."""
     parent = os.path.dirname(_real(final))
     os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f".{os.path.basename(_real(final))}.tmp-", dir=parent)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(_real(final))}.tmp-", dir=parent)
+    os.chmod(tmp, 0o777 & ~_umask())
+    return tmp
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def exchange(a: str, b: str) -> bool:
+    """Swap two existing paths in one atomic step (Linux `renameat2(RENAME_EXCHANGE)`); False where the system or
+    the file system cannot (then nothing moved)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), a)
+
+
+def swap_in(new: str, final: str) -> str:
+    """Put the finished directory `new` at the existing `final`; returns where the old `final` now is (the caller
+    removes it). One atomic exchange where the file system has it: `final` is the old directory or the new one at
+    every instant. Elsewhere two renames (old aside, new in): a kill between them leaves the old one whole beside,
+    under the returned name."""
+    if exchange(new, final):
+        return new
+    aside = f"{new}.old"
+    os.rename(final, aside)
+    os.rename(new, final)
+    return aside
+
+
+def _fsync_tree(root: str) -> None:
+    for directory, _, files in os.walk(root):
+        for name in files:
+            if not os.path.islink(os.path.join(directory, name)):
+                fsync_path(os.path.join(directory, name))
+        fsync_path(directory)
+
+
+def _keep_entries(old: str, new: str) -> None:
+    """Everything of `old` that `new` does not replace, linked (a copy where links fail) into `new` at the same
+    relative path: files the user keeps in an export directory survive it being replaced whole."""
+    for directory, dirs, files in os.walk(old):
+        rel = os.path.relpath(directory, old)
+        dest = os.path.normpath(os.path.join(new, rel))
+        if os.path.lexists(dest) and not os.path.isdir(dest):
+            raise OutputPathError(
+                f"{os.path.join(old, rel)!r} is a directory where the new output has a file"
+            )
+        os.makedirs(dest, exist_ok=True)
+        entries = files + [d for d in dirs if os.path.islink(os.path.join(directory, d))]
+        for name in entries:
+            src, dst = os.path.join(directory, name), os.path.join(dest, name)
+            if os.path.lexists(dst):
+                if os.path.isdir(dst) and not os.path.islink(dst):
+                    raise OutputPathError(f"{src!r} is a file where the new output has a directory")
+                continue  # replaced by the new output
+            try:
+                os.link(src, dst, follow_symlinks=False)
+            except OSError:
+                shutil.copy2(src, dst, follow_symlinks=False)
 
 
 def publish_dir(tmp: str, final: str) -> None:
-    """Move the finished `tmp` to `final`: a rename when `final` does not exist (or is empty); else each file of
-    `tmp` replaces its namesake in `final`, and nothing else in `final` is touched. `tmp` is gone afterwards."""
-    for directory, _, files in os.walk(tmp):
-        for name in files:
-            fsync_path(os.path.join(directory, name))
-        fsync_path(directory)
+    """Move the finished `tmp` to `final`. A rename when `final` does not exist (or is empty). Over an existing
+    `final` (`--force`): what `final` holds that `tmp` does not replace is linked into `tmp`, then the two are
+    exchanged in one step (`swap_in`) and the old one removed, so `final` is the old output or the whole new one at
+    every instant, and nothing the user kept there is lost. `tmp` is gone afterwards."""
+    final = _real(final)  # a symlinked target: the directory it names
+    _fsync_tree(tmp)
     if os.path.isdir(final) and not os.listdir(final):
         os.rmdir(final)  # empty: nothing to lose
     if not os.path.exists(final):
         os.replace(tmp, final)
     else:
-        for directory, _, files in os.walk(tmp):
-            rel = os.path.relpath(directory, tmp)
-            dest_dir = os.path.normpath(os.path.join(final, rel))
-            os.makedirs(dest_dir, exist_ok=True)
-            for name in files:
-                os.replace(os.path.join(directory, name), os.path.join(dest_dir, name))
-            fsync_path(dest_dir)
-        shutil.rmtree(tmp)
-    fsync_path(os.path.dirname(_real(final)))
+        _keep_entries(final, tmp)
+        _fsync_tree(tmp)
+        os.chmod(tmp, stat.S_IMODE(os.stat(final).st_mode))  # the directory keeps its mode
+        shutil.rmtree(swap_in(tmp, final))
+    fsync_path(os.path.dirname(final))
 
 
 @contextlib.contextmanager
@@ -158,11 +233,47 @@ def staged_dir(final: str) -> Iterator[str]:
     """Build a directory under a temporary name; published to `final` on success, removed on failure."""
     tmp = new_temp_dir(final)
     try:
-        yield tmp
+        with disk_full_said(os.path.dirname(tmp), tmp, f"writing {final}"):
+            yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # created by this run
         raise
     publish_dir(tmp, final)
+
+
+class DiskFull(OSError):
+    """A write stopped for want of space; the message names the file system's directory and what was removed."""
+
+
+DISK_FULL_FREE = 64 * 2**20  # below this many free bytes, a failed write is taken for a full disk
+
+
+def _is_disk_full(error: BaseException, directory: str) -> bool:
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    # torch.save says "[enforce fail at inline_container.cc:...] unexpected pos" when its writer is cut short
+    if isinstance(error, (OSError, RuntimeError)):
+        try:
+            return shutil.disk_usage(directory).free < DISK_FULL_FREE
+        except OSError:
+            return False
+    return False
+
+
+@contextlib.contextmanager
+def disk_full_said(directory: str, staging: str, what: str) -> Iterator[None]:
+    """A write into `staging` (a temporary directory under `directory`, this run's) that fails for want of space
+    becomes one `DiskFull` naming `directory` and its free bytes, with `staging` removed (its space given back);
+    any other failure passes unchanged."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        if not _is_disk_full(e, directory):
+            raise
+        shutil.rmtree(staging, ignore_errors=True)  # created by this run
+        free = shutil.disk_usage(directory).free if os.path.isdir(directory) else 0
+        raise DiskFull(f"no space left on {directory} ({free / 2**20:.0f} MiB free): {what} stopped and its "
+                       f"temporary files are removed; what was there before is unchanged") from e  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- one writer per directory
@@ -188,20 +299,33 @@ def _running(pid: int, started: str | None) -> bool:
     return started is None or _process_start(pid) in (None, started)
 
 
-class DirectoryLock:
-    """An exclusive writer's lock on a directory: `<dir>/.glm53-writer.lock`, created with O_EXCL, holding the
-    writer's host, pid, process start time and a run id.
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
-    Stale-lock rule: a lock written on this host by a process that no longer runs (its pid gone, or reused by a
-    process that started later) is taken over, with a notice; a lock of another host, or of a running process, is
-    refused with its owner named (remove the file by hand once that run is known to be gone). `release` removes the
-    file only while it is still this writer's."""
+
+class DirectoryLock:
+    """An exclusive writer's lock on a directory: `<dir>/.glm53-writer.lock`, holding the writer's host, pid,
+    process start time and a run id (for the messages).
+
+    The lock itself is the kernel's `flock` on that file, held for the run and dropped by the kernel when the
+    process ends however it ends, so exactly one of any number of concurrent runs wins, and a killed run's file is
+    no lock. The winner checks that it locked the file the path names (a releasing writer unlinks it) and reads the
+    record it finds: empty or unreadable (a writer killed while writing it), or a process of this host that no
+    longer runs, is taken over with a notice; another host's record is refused (its run may live on a file system
+    whose locks are not shared between hosts: remove the file by hand once that run is known to be gone).
+    Where the file system has no `flock`, the file is created whole or not at all (written aside, then linked into
+    place) and a stale one is never taken over automatically (two runs could both take it): the error says to
+    remove it. `release` removes the file only while it is still this writer's."""
 
     def __init__(self, directory: str, option: str) -> None:
         self.directory, self.option = directory, option
         self.path = os.path.join(directory, LOCK_FILE)
         self.run_id = uuid.uuid4().hex
         self.held = False
+        self._fd: int | None = None
+
+    def _record(self) -> dict[str, object]:
+        return dict(host=socket.gethostname(), pid=os.getpid(), started=_process_start(os.getpid()),
+                    run=self.run_id, since=time.strftime("%Y-%m-%d %H:%M:%S"))  # fmt: skip
 
     def _owner(self) -> dict[str, object]:
         try:
@@ -211,41 +335,95 @@ class DirectoryLock:
         except (OSError, ValueError):
             return {}
 
+    def _refuse(
+        self, owner: dict[str, object], hint: str = "If that run is gone, remove the lock file"
+    ) -> None:
+        who = (f"host {owner.get('host', '?')}, pid {owner.get('pid', '?')}, since {owner.get('since', '?')}"
+               if owner else "its record is not written yet")  # fmt: skip
+        raise OutputPathError(
+            f"{self.option} {self.directory!r} is being written by another run ({who}: {self.path}); two runs "
+            f"would interleave their checkpoints. {hint}"
+        ) from None
+
     def acquire(self) -> str | None:
-        """Take the lock or raise `OutputPathError` naming its owner; returns a notice when a stale lock was
-        taken over (else None)."""
+        """Take the lock or raise `OutputPathError` naming its owner; returns a notice when a killed run's lock
+        was taken over (else None)."""
         os.makedirs(self.directory, exist_ok=True)
-        me = dict(host=socket.gethostname(), pid=os.getpid(), started=_process_start(os.getpid()),
-                  run=self.run_id, since=time.strftime("%Y-%m-%d %H:%M:%S"))  # fmt: skip
-        notice = None
-        for _ in range(2):
+        for _ in range(100):  # a retry only when a releasing writer unlinked the file under us
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                owner = self._owner()
-                pid = owner.get("pid")
-                stale = owner.get("host") == me["host"] and isinstance(pid, int) and not _running(pid, owner.get("started"))  # type: ignore[arg-type]  # fmt: skip
-                if not stale:
-                    who = f"host {owner.get('host', '?')}, pid {owner.get('pid', '?')}, since {owner.get('since', '?')}"
-                    raise OutputPathError(
-                        f"{self.option} {self.directory!r} is being written by another run ({who}: {self.path}); "
-                        "two runs would interleave their checkpoints. If that run is gone, remove the lock file"
-                    ) from None
-                os.unlink(self.path)
-                notice = (f"{self.option}: took over the stale lock of pid {pid} on {me['host']} (no longer "
-                          f"running): {self.path}")  # fmt: skip
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                self._refuse(self._owner())
+            except OSError as e:
+                os.close(fd)
+                if e.errno in _NO_FLOCK:
+                    return self._acquire_without_flock()
+                raise
+            if not self._is_the_path(fd):  # a releasing writer unlinked it under us: try the path again
+                os.close(fd)
                 continue
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(me, f)
-                f.flush()
-                os.fsync(f.fileno())
-            self.held = True
+            try:
+                notice = self._take_over(self._owner())
+            except OutputPathError:
+                os.close(fd)
+                raise
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(self._record()).encode(), 0)
+            os.fsync(fd)
+            self._fd, self.held = fd, True
             return notice
         raise OutputPathError(f"{self.option} {self.directory!r}: could not take the lock {self.path}")
 
+    def _is_the_path(self, fd: int) -> bool:
+        try:
+            here, there = os.fstat(fd), os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+    def _take_over(self, owner: dict[str, object]) -> str | None:
+        """Under the flock: the notice for what the file held before (None: nothing)."""
+        if not owner:
+            if os.path.getsize(self.path):
+                return f"{self.option}: took over a lock whose record was unreadable (a run killed while writing it): {self.path}"  # fmt: skip
+            return None
+        pid, host = owner.get("pid"), owner.get("host")
+        if host != socket.gethostname():
+            self._refuse(owner, "The file was left by a run on another host; if that run is gone, remove the "
+                                "lock file")  # fmt: skip
+        if isinstance(pid, int) and _running(pid, owner.get("started")):  # type: ignore[arg-type]
+            self._refuse(owner)  # alive without the flock: a writer of an older glm53_ds
+        return (
+            f"{self.option}: took over the stale lock of pid {pid} on {host} (no longer running): {self.path}"
+        )
+
+    def _acquire_without_flock(self) -> str | None:
+        tmp = f"{self.path}.{self.run_id}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self._record(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, self.path)  # whole or not at all; fails when the file exists
+        except FileExistsError:
+            owner = self._owner()
+            stale = owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int) and not _running(owner["pid"], owner.get("started"))  # type: ignore[arg-type]  # fmt: skip
+            self._refuse(owner, ("Its process is no longer running, but this file system has no flock(), so the "
+                                 "lock is not taken over automatically: remove the lock file") if stale else
+                         "If that run is gone, remove the lock file")  # fmt: skip
+        finally:
+            os.unlink(tmp)
+        self.held = True
+        return None
+
     def release(self) -> None:
         if self.held and self._owner().get("run") == self.run_id:
-            os.unlink(self.path)
+            os.unlink(self.path)  # before the flock drops: a run waiting on this file retries on the path
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         self.held = False
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pathlib
 from typing import Any
 
 import torch
@@ -185,3 +186,36 @@ def engine_config(stage: int, bf16: bool, clip: float) -> dict:
 def read_manifest_json(tag_dir) -> dict:
     """A checkpoint tag's manifest.json as written (`tag_dir`: a pathlib.Path)."""
     return json.loads((tag_dir / "manifest.json").read_text())
+
+
+def save_lora_native(root, spec, value: float = 0.1) -> pathlib.Path:
+    """A converted tiny checkpoint given the adapters of `spec` (value `value`), as a LoRA run saves them with
+    its base, and a client state, its manifest rewritten: a tag every reader accepts. Returns the tag directory."""
+    from safetensors.torch import load_file, save_file
+
+    import glm53_ds
+    from glm53_ds.checkpoint import CLIENT_STATE, CheckpointDir
+    from glm53_ds.checkpoint.directory import LAYOUT
+    from glm53_ds.convert import hf_to_native
+    from glm53_ds.layers.lora import is_lora_param
+    from glm53_ds.layers.lora_targets import apply_lora
+    from glm53_ds.safe_io import describe_files, list_files, write_manifest
+    from tests.cli import tiny_hf_checkpoint
+
+    root = pathlib.Path(root)
+    tiny_hf_checkpoint(root / "hf")
+    tag = pathlib.Path(hf_to_native(str(root / "hf"), str(root / "native"))) / "hf"
+    model_dir = tag / "glm53"
+    model = glm53_ds.build_model(CheckpointDir(str(tag)).model_config, mtp=True)
+    apply_lora(model, spec)
+    adapters = {n: value * torch.ones(p.shape) for n, p in model.named_parameters() if is_lora_param(n)}
+    shard = model_dir / "replicated-00001.safetensors"
+    save_file({**load_file(str(shard)), **adapters}, str(shard))
+    index = json.loads((model_dir / "replicated.index.json").read_text())
+    index["weight_map"].update({n: shard.name for n in adapters})
+    (model_dir / "replicated.index.json").write_text(json.dumps(index))
+    layout = json.loads((model_dir / LAYOUT).read_text())
+    (model_dir / LAYOUT).write_text(json.dumps(dict(layout, lora=spec.record())))
+    torch.save({"step": 3, "consumed_samples": 12}, str(model_dir / CLIENT_STATE))
+    write_manifest(str(tag), describe_files(str(tag), list_files(str(tag))))
+    return tag

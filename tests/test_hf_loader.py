@@ -112,6 +112,23 @@ def test_wrong_shape_names_key_and_shapes(small_checkpoint, tmp_path):
         glm53_ds.load_hf(str(path))
 
 
+def test_integer_bits_are_refused_naming_the_tensor(small_checkpoint, tmp_path):
+    """Before: a tensor stored as int32 (float bits, say) was copied in as its integer values (loss 2e10, rc 0).
+    Now the loader and the converter refuse it, naming it."""
+    from glm53_ds.convert import hf_to_native
+    from glm53_ds.convert.import_hf import ConversionError
+
+    name = "model.language_model.layers.0.self_attn.q_proj.weight"
+    path = _copy(
+        small_checkpoint[0], tmp_path / "ckpt", lambda t: t.update({name: t[name].view(torch.int32)})
+    )
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.") + " is stored as int32"):
+        glm53_ds.load_hf(str(path))
+    with pytest.raises(ConversionError, match=name.replace(".", r"\.") + " is stored as int32"):
+        hf_to_native(str(path), str(tmp_path / "native"))
+    assert not (tmp_path / "native").exists()
+
+
 def test_other_model_type_is_refused(small_checkpoint, tmp_path):
     path = tmp_path / "ckpt"
     shutil.copytree(small_checkpoint[0], path)

@@ -2,9 +2,11 @@
 
 `CheckpointDir(path, tag)` is the one reader training, conversion, `describe` and the HF export share. `path` may
 be a checkpoint directory (its `latest` names the tag, read here and nowhere else), a tag directory, or a tag's
-`glm53/` directory; a converted checkpoint (`hf-to-native`) has the same shape. With `check_files` every file read
-is first checked against the tag's manifest (size, CRC-32; a file the manifest does not list is refused), for the
-readers that do not verify the whole tag first (the export, `load_native`). Reads go through placements
+`glm53/` directory; a converted checkpoint (`hf-to-native`) has the same shape. Every reader checks what it reads:
+the tag must have a manifest listing every file it holds, and each file is checked against it (size, CRC-32)
+before it is read, unless `publish.verify_checkpoint` checked the whole tag in this process already (the trainer's
+collective check before a resume: `mark_verified`). Only `describe`, which reports problems instead of reading
+tensors, opens a tag with `check_files=False`. Reads go through placements
 (`placement.py`): `read(target)` assembles a target placement's local tensor from the stored shards, whatever
 EP x ETP wrote them.
 """
@@ -19,7 +21,7 @@ import torch
 
 from ..config import Glm53Config
 from ..parallel.expert_shard import ExpertShard
-from ..safe_io import read_manifest, unlisted_files, verify_files
+from ..safe_io import MANIFEST, read_manifest, unlisted_files, verify_files
 from .placement import (
     REPLICATED,
     TensorPlacement,
@@ -41,6 +43,11 @@ HF_CONFIG = "hf_config.json"  # a converted checkpoint: the config.json the weig
 CLIENT_STATE = "client_state.pt"  # the trainer's step, data position and RNG, layout-free
 FP32_PARAMS_OPTIMIZER = "fp32_params_optimizer.pt"  # bf16 runs: the fp32-kept parameters' optimizer state
 OPTIMIZER = "optimizer_"  # prefix of the layout-free optimizer state's sets
+WRITTEN_DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+)  # every tensor a checkpoint holds is one of these
 
 
 def optimizer_rank_file(rank: int) -> str:
@@ -108,16 +115,50 @@ def moved(meta: dict[str, Any], here: dict[str, Any]) -> dict[str, tuple[Any, An
     return {k: (meta[k], v) for k, v in here.items() if k in meta and meta[k] != v}
 
 
+# Tags `publish.verify_checkpoint` checked whole in this process (every file against the manifest, collectively),
+# keyed by their real path, with the manifest's identity then: their readers skip the per-file check.
+_VERIFIED: dict[str, tuple[int, int, int]] = {}
+
+
+def _manifest_identity(tag_dir: str) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(os.path.join(tag_dir, MANIFEST))
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def mark_verified(tag_dir: str) -> None:
+    identity = _manifest_identity(tag_dir)
+    if identity is not None:
+        _VERIFIED[os.path.realpath(tag_dir)] = identity
+
+
+def _is_verified(tag_dir: str) -> bool:
+    identity = _VERIFIED.get(os.path.realpath(tag_dir))
+    return identity is not None and identity == _manifest_identity(tag_dir)
+
+
 class CheckpointDir:
     """A checkpoint tag: its layout record, model config, tensor sets (opened once each), and reads at any
     layout."""
 
-    def __init__(self, path: str, tag: str | None = None, check_files: bool = False) -> None:
+    def __init__(self, path: str, tag: str | None = None, check_files: bool = True) -> None:
         self.tag_dir, self.root = resolve(path, tag)
-        self._manifest = read_manifest(self.tag_dir) if check_files else None
+        try:
+            self._manifest = (
+                read_manifest(self.tag_dir) if check_files and not _is_verified(self.tag_dir) else None
+            )
+        except ValueError as e:  # no manifest (a killed save's staging directory), or not one of ours
+            raise CheckpointError(str(e)) from e
+        if self._manifest is not None:
+            unlisted = unlisted_files(self.tag_dir, self._manifest)
+            if unlisted:
+                raise CheckpointError(f"checkpoint {self.tag_dir} is damaged or incomplete: {unlisted[0]} is not "
+                                      "in the manifest")  # fmt: skip
         if os.path.isfile(os.path.join(self.root, HF_CONFIG)):
-            self._check(HF_CONFIG)
-        self._check(LAYOUT)
+            self.check(HF_CONFIG)
+        self.check(LAYOUT)
         self.meta = read_layout(self.root)
         stored = self.meta.get("config")
         self.cfg = Glm53Config.from_text_dict(stored) if stored else None
@@ -184,9 +225,10 @@ class CheckpointDir:
             )
 
     # ------------------------------------------------------------------ tensor sets
-    def _check(self, *names: str) -> None:
-        """With `check_files`: `names` (relative to the model directory) against the manifest, one error naming
-        every problem."""
+    def check(self, *names: str) -> None:
+        """`names` (relative to the model directory) against the manifest (unless the tag was verified whole or
+        opened with `check_files=False`), one error naming every problem; every read of a file of the tag passes
+        here first."""
         if self._manifest is None:
             return
         prefix = os.path.relpath(os.path.abspath(self.root), os.path.abspath(self.tag_dir))
@@ -203,9 +245,9 @@ class CheckpointDir:
 
     def tensor_set(self, name: str) -> ShardReader:
         if name not in self._sets:
-            self._check(f"{name}.index.json")
+            self.check(f"{name}.index.json")
             reader = ShardReader(self.root, name)
-            self._check(*sorted(set(reader.weight_map.values())))
+            self.check(*sorted(set(reader.weight_map.values())))
             self._sets[name] = reader
         return self._sets[name]
 
@@ -236,15 +278,23 @@ class CheckpointDir:
         for source in self._stored_parts(target.name, shape):
             reader = self.tensor_set(prefix + source.stored_set)
             if source.blocks == target.blocks and source.local_shape == target.local_shape:
-                return reader.get(key)  # the stored part is the target (a replicated tensor, the same layout)
+                # the stored part is the target (a replicated tensor, the same layout)
+                return self._written_dtype(key, reader.get(key))
             for src, dst in copies(target, source):
-                piece = reader.get_slice(key, src)
+                piece = self._written_dtype(key, reader.get_slice(key, src))
                 if out is None:
                     out = (torch.empty if target.complete else torch.zeros)(
                         target.local_shape, dtype=piece.dtype
                     )
                 out[dst] = piece
         return out if out is not None else torch.zeros(target.local_shape)
+
+    def _written_dtype(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A stored tensor in a dtype glm53_ds never writes (int32 bits read as values, say) is refused."""
+        if tensor.dtype not in WRITTEN_DTYPES:
+            raise CheckpointError(f"{self.root}: {key} is stored as {str(tensor.dtype).removeprefix('torch.')}; "
+                                  "glm53_ds writes its tensors as float32, bfloat16 or float16 only")  # fmt: skip
+        return tensor
 
     def _stored_parts(self, name: str, shape: tuple[int, ...]) -> list[TensorPlacement]:
         if expert_split(name) is None:

@@ -25,11 +25,12 @@ from ..safe_io import (
     fsync_path,
     list_files,
     read_manifest,
+    swap_in,
     unlisted_files,
     verify_files,
     write_manifest,
 )
-from .directory import MODEL_DIR, CheckpointError, latest_tag
+from .directory import MODEL_DIR, CheckpointError, latest_tag, mark_verified
 
 
 def from_rank0(value: Any) -> Any:
@@ -47,6 +48,20 @@ def gather(part: Any) -> list[Any]:
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, part)
     return parts
+
+
+def shared_checksums(root: str, names: Sequence[str]) -> dict[str, dict[str, object]]:
+    """Every file's size and CRC-32 (`describe_files`), spread over the ranks (collective: each rank reads a
+    round-robin share once; a rank's failure is raised on every rank)."""
+    try:
+        part, error = describe_files(root, share(names)), None
+    except OSError as e:
+        part, error = {}, f"{e.filename or root}: {e.strerror or e}"
+    parts = gather((part, error))
+    failed = [e for _, e in parts if e]
+    if failed:
+        raise OSError(failed[0])
+    return dict(sorted((k, v) for p, _ in parts for k, v in p.items()))
 
 
 def check_tag_name(tag: str) -> None:
@@ -95,10 +110,10 @@ class StagedTag:
             for directory in {os.path.dirname(os.path.join(staged, n)) for n in names} | {staged}:
                 fsync_path(directory)
             old = None
-            if os.path.lexists(final):  # a re-save of this tag: the new one replaces it whole
-                old = os.path.join(save_dir, f".{self.tag}.old-{self.staging.rsplit('-', 1)[1]}")
-                os.replace(final, old)
-            os.replace(staged, final)
+            if os.path.lexists(final):  # a re-save of this tag: the new one replaces it whole, in one step
+                old = swap_in(staged, final)
+            else:
+                os.replace(staged, final)
             fsync_path(save_dir)
             if old is not None and os.path.islink(old):
                 os.unlink(old)  # a tag that was a link: the link goes, what it pointed at stays
@@ -118,7 +133,7 @@ def verify_checkpoint(load_dir: str, tag: str | None = None) -> str:
     manifest: dict = {}
     if dist.get_rank() == 0:
         if not os.path.isdir(tag_dir):
-            left = glob.glob(os.path.join(load_dir, f".{tag}.old-*"))
+            left = glob.glob(os.path.join(load_dir, f".{tag}.tmp-*.old"))
             hint = (
                 f" (a save was interrupted while replacing it; the previous version is {left[0]})"
                 if left
@@ -142,4 +157,5 @@ def verify_checkpoint(load_dir: str, tag: str | None = None) -> str:
             f"; ... ({len(problems) - 10} more)" if len(problems) > 10 else ""
         )
         raise CheckpointError(f"checkpoint {tag_dir} is damaged or incomplete: {shown}")
+    mark_verified(tag_dir)  # its readers in this process skip the per-file check
     return tag

@@ -17,7 +17,9 @@ from ..checkpoint import CheckpointDir
 
 def describe_checkpoint(path: str, tag: str | None = None, out: Callable[..., object] = print) -> int:
     """Print the checkpoint's layout and contents; returns 0 when complete, 1 otherwise."""
-    ckpt = CheckpointDir(path, tag)
+    ckpt = CheckpointDir(
+        path, tag, check_files=False
+    )  # it reports problems (below) instead of failing on one
     meta, cfg, ep, etp = ckpt.meta, ckpt.cfg, ckpt.ep, ckpt.etp
     out(f"checkpoint {ckpt.tag_dir}")
     world = meta.get("world_size")

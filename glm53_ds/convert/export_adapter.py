@@ -32,7 +32,9 @@ from safetensors.torch import save_file
 
 from ..checkpoint import CheckpointDir
 from ..config import Glm53Config
-from ..layers.lora import is_lora_param
+from ..layers.lora import LoraSpec, is_lora_param
+from ..layers.lora_targets import apply_lora
+from ..model import build_model
 from ..safe_io import check_output_dir, staged_dir
 from .import_hf import ConversionError
 from .names import Placement, in_memory_module, released_layout
@@ -132,6 +134,21 @@ def write_peft_adapter(out: str, tensors: dict[str, torch.Tensor], config: dict[
     return out
 
 
+def adapter_shapes(cfg: Glm53Config, lora: dict[str, Any], mtp: bool) -> dict[str, tuple[int, ...]]:
+    """Every adapter tensor a LoRA record gives this model, with its whole (single-process) shape: the model with
+    those adapters, built on the meta device (no memory, under a second at the released size)."""
+    spec = LoraSpec(rank=int(lora["rank"]), alpha=float(lora["alpha"]), dropout=float(lora["dropout"]),
+                    targets=tuple(lora["targets"]))  # fmt: skip
+    with torch.device("meta"):
+        model = build_model(cfg, mtp=mtp, perform_initialization=False)
+        apply_lora(model, spec)
+    return {n: tuple(p.shape) for n, p in model.named_parameters() if is_lora_param(n)}
+
+
+def _describe(lora: dict[str, Any]) -> str:
+    return f"rank {lora['rank']}, targets {','.join(lora['targets'])}"
+
+
 def native_to_peft(ckpt: str, out: str, force: bool = False) -> list[str]:
     """Convert the adapters of LoRA checkpoint `ckpt` (a tag, or a directory's `latest`) into a PEFT adapter at
     `out`; returns the notices (what PEFT could not express)."""
@@ -140,7 +157,19 @@ def native_to_peft(ckpt: str, out: str, force: bool = False) -> list[str]:
     names = sorted(k for k in native.keys() if is_lora_param(k))
     if lora is None or not names:
         raise ConversionError(f"{native.root}: not a LoRA checkpoint (layout.json records no LoRA adapters)")
+    expected = adapter_shapes(native.model_config, lora, mtp=native.has_mtp)
+    differ = [f"{k} is missing" for k in sorted(set(expected) - set(names))]
+    differ += [f"{k} is not an adapter of this model" for k in names if k not in expected]
+    differ += [f"{k} has shape {list(native.stored_shape(k))}, the model's adapter {list(expected[k])}"
+               for k in names if k in expected and native.stored_shape(k) != expected[k]]  # fmt: skip
+    if differ:
+        raise ConversionError(f"{native.root}: the adapters do not match the LoRA record ({_describe(lora)}) of this "
+                              f"model: {'; '.join(differ[:3])}")  # fmt: skip
     adapters = {k: native.full_tensor(k) for k in names}
+    bad = [k for k, t in adapters.items() if not torch.isfinite(t).all()]
+    if bad:
+        raise ConversionError(f"{native.root}: adapter {bad[0]} holds non-finite values"
+                              + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "") + "; nothing exported")  # fmt: skip
     tensors, config, notices = peft_adapter(adapters, native.model_config, lora)
     write_peft_adapter(out, tensors, config, force=force, inputs={"--ckpt": ckpt})
     return notices

@@ -97,6 +97,13 @@ class HFSource:
                     f"{name} is stored as {tensor.dtype} but has no {scale} to dequantise it"
                 )
             tensor = dequantize_fp8(name, tensor, self.raw(scale)).to(self.fp8_dtype)
+        if tensor.dtype not in (
+            torch.float32,
+            torch.bfloat16,
+            torch.float16,
+        ):  # int bits would convert as values
+            raise ConversionError(f"{self.directory}: {name} is stored as {str(tensor.dtype).removeprefix('torch.')}; "
+                                  "released weights are float32, bfloat16, float16 or FP8 with scales")  # fmt: skip
         return tensor
 
     def released_names(self, cfg: Glm53Config) -> dict[str, tuple[str, int | None]]:

@@ -10,6 +10,7 @@ The sequence (every step needed for correctness; docs/parallelism.md explains ea
     deepspeed.initialize(..., mpu=DeepSpeedMpu(layout))
     install_gradient_sync(engine, layout)      ETP pre-average of replicated gradients, global clipping norm
     bf16: install_fp32_params(engine, ...)     their world-mean reduction, global norm, clipping and fp32 optimizer
+    install_update_skip(engine)                a requested skip (a batch without targets) down DeepSpeed's skip path
     install_step_guard(engine)                 a step whose global gradient norm is inf / NaN changes nothing and
                                                raises NonFiniteGradientError
 Returns a `Glm53Engine` (handle.py): the DeepSpeed engine, the layout, the fp32-kept parameters, typed.
@@ -39,6 +40,7 @@ from .deepspeed_internals import (
     install_fp32_params,
     install_gradient_sync,
     install_step_guard,
+    install_update_skip,
     register_expert_groups,
 )
 from .fp32_params import Fp32Params
@@ -70,7 +72,17 @@ def init_distributed() -> None:
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         if not torch.cuda.is_available():
             register_cleanup()
-    deepspeed.init_distributed(dist_backend=default_backend(), verbose=False)
+    try:
+        deepspeed.init_distributed(dist_backend=default_backend(), verbose=False)
+    except RuntimeError as e:  # torch's DistNetworkError: the rendezvous port is taken (another job's)
+        if "EADDRINUSE" not in str(e) and "address already in use" not in str(e):
+            raise
+        port = os.environ.get("MASTER_PORT", "?")
+        raise OSError(
+            f"--master_port {port}: the port is in use on {os.environ.get('MASTER_ADDR', '?')} (another "
+            f"job on this machine?); give each job its own: deepspeed --master_port {int(port) + 1 if port.isdigit() else 29501} ... "
+            "(docs/usage.md, 'Two jobs on one machine')"
+        ) from None
 
 
 def close_distributed() -> None:
@@ -229,5 +241,6 @@ def build_engine(
     if kept is not None:
         kept.finish(factory, lambda named: decay_groups(named, no_decay_pattern))
         install_fp32_params(engine, kept, layout)
+    install_update_skip(engine)
     install_step_guard(engine)
     return Glm53Engine(engine, layout, fp32_params=kept, gradient_sync=synced)

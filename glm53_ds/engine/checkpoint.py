@@ -51,7 +51,7 @@ from ..config import Glm53Config
 from ..convert.export_adapter import native_to_peft
 from ..convert.export_hf import native_to_hf
 from ..layers.lora import is_lora_param, merged_state_dict
-from ..safe_io import new_temp_dir
+from ..safe_io import disk_full_said, new_temp_dir
 from .deepspeed_internals import (
     ADAM_MOMENTS,
     ParamOptimizerState,
@@ -226,35 +226,38 @@ def save_checkpoint(
         raise CheckpointError(f"refusing to save {os.path.join(save_dir, tag)}: {bad} holds inf / NaN values "
                               "(nothing was written; 'latest' is unchanged)")  # fmt: skip
     staged = StagedTag.begin(save_dir, tag)
-    engine.ds.save_checkpoint(save_dir, tag=staged.staging, client_state=client_state or {}, save_latest=False,
-                              exclude_frozen_parameters=adapters_only)  # fmt: skip
-    root = staged.model_dir
-    os.makedirs(root, exist_ok=True)
-    places = model_placements(engine)
-    step = _write_portable_optimizer(engine, root, places)
-    meta = dict(engine_layout_record(engine), optimizer_state=dict(step=step), model_only=False,
-                adapters_only=adapters_only, **_lora_meta(engine))  # fmt: skip
-    state = engine.module.state_dict()
-    if adapters_only:
-        base = frozen_base(engine)
-        state = {n: t for n, t in state.items() if n not in base}
-    _write_model(engine, root, state, places, meta)
-    if layout.rank == 0:  # step, data position, RNG: read back at any layout
-        _atomic_save(client_state or {}, os.path.join(root, CLIENT_STATE))
-    if engine.zero_optimization_stage() == 0:
-        _atomic_save(engine.optimizer.state_dict(), os.path.join(root, optimizer_rank_file(layout.rank)))
-    side = engine.fp32_params
-    if side is not None and layout.rank == 0:  # replicated and identical on every rank
-        _atomic_save(side.state_dict(), os.path.join(root, FP32_PARAMS_OPTIMIZER))
-    return staged.publish()
+    with disk_full_said(save_dir, staged.staged, f"the save of {tag}"):
+        engine.ds.save_checkpoint(save_dir, tag=staged.staging, client_state=client_state or {}, save_latest=False,
+                                  exclude_frozen_parameters=adapters_only)  # fmt: skip
+        root = staged.model_dir
+        os.makedirs(root, exist_ok=True)
+        places = model_placements(engine)
+        step = _write_portable_optimizer(engine, root, places)
+        meta = dict(engine_layout_record(engine), optimizer_state=dict(step=step), model_only=False,
+                    adapters_only=adapters_only, **_lora_meta(engine))  # fmt: skip
+        state = engine.module.state_dict()
+        if adapters_only:
+            base = frozen_base(engine)
+            state = {n: t for n, t in state.items() if n not in base}
+        _write_model(engine, root, state, places, meta)
+        if layout.rank == 0:  # step, data position, RNG: read back at any layout
+            _atomic_save(client_state or {}, os.path.join(root, CLIENT_STATE))
+        if engine.zero_optimization_stage() == 0:
+            _atomic_save(engine.optimizer.state_dict(), os.path.join(root, optimizer_rank_file(layout.rank)))
+        side = engine.fp32_params
+        if side is not None and layout.rank == 0:  # replicated and identical on every rank
+            _atomic_save(side.state_dict(), os.path.join(root, FP32_PARAMS_OPTIMIZER))
+        return staged.publish()
 
 
 def read_client_state(load_dir: str, tag: str) -> dict[str, Any]:
     """The trainer's state a checkpoint records (step, consumed samples, global batch, data identity, RNG), read
     safely; empty for a converted (model-only) checkpoint."""
-    path = CheckpointDir(load_dir, tag).path(CLIENT_STATE)
+    ckpt = CheckpointDir(load_dir, tag)
+    path = ckpt.path(CLIENT_STATE)
     if not os.path.isfile(path):
         return {}
+    ckpt.check(CLIENT_STATE)
     with weights_only_loads():
         return dict(torch.load(path, map_location="cpu", weights_only=True))
 

@@ -81,13 +81,13 @@ PATCHED_SYMBOLS = (
     PatchedSymbol("DeepSpeedEngine._global_grad_norm", "written",
                   "the norm the replacement computed (also without clipping, by the plain optimizer's step guard)"),
     PatchedSymbol("DeepSpeedZeroOptimizer.scaled_global_norm", "wrapped",
-                  "ZeRO-1/2: a non-finite global norm raises before any update (bf16 applied it); bf16: the fp32-kept parameters' gradients join the norm once"),
+                  "ZeRO-1/2: a non-finite global norm raises before any update (bf16 applied it); bf16: the fp32-kept parameters' gradients join the norm once; a requested skip sets `overflow`"),
     PatchedSymbol("BF16_Optimizer.get_grads_for_norm", "wrapped",
-                  "ETP ranks > 0 hold no replicated gradient to count: a zero placeholder; bf16: the fp32-kept parameters' norm"),
+                  "ETP ranks > 0 hold no replicated gradient to count: a zero placeholder; bf16: the fp32-kept parameters' norm; a requested skip: an inf"),
     PatchedSymbol("DeepSpeedEngine.has_moe_layers", "toggled",
                   "off while DeepSpeed loads a checkpoint: the model files are glm53_ds's own"),
     PatchedSymbol("DeepSpeedEngine.step", "wrapped",
-                  "bf16: at the boundary, reduce / clip / update HF's fp32-kept parameters (fp32_params.py) too; always: a step not applied (non-finite norm) raises"),
+                  "bf16: at the boundary, reduce / clip / update HF's fp32-kept parameters (fp32_params.py) too; always: a step not applied (non-finite norm) raises, unless its skip was requested"),
     PatchedSymbol("FP16_UnfusedOptimizer.unscale_and_clip_grads", "wrapped",
                   "bf16 stage 0: the same, for its clipping"),
     PatchedSymbol("FP16_UnfusedOptimizer._global_grad_norm", "written", "the norm with them, as reported"),
@@ -103,6 +103,10 @@ PATCHED_SYMBOLS = (
     PatchedSymbol("DeepSpeedZeroOptimizer._hp_optimizer_states_linked", "written", "reset so that the link above runs"),
     PatchedSymbol("deepspeed.utils.tensor_fragment.tensor_fragment.lp_fragment_address", "read",
                   "a parameter's `_hp_mapping`: the part of its state this rank holds, so that a load reads only that"),
+    PatchedSymbol("DeepSpeedZeroOptimizer.overflow", "written",
+                  "a requested skip (a global batch without targets): set during the norm, the step's overflow branch discards it"),
+    PatchedSymbol("FP16_UnfusedOptimizer.overflow_checker", "wrapped",
+                  "stage-0 bf16: its check reports an overflow for a requested skip"),
     PatchedSymbol("FP16_UnfusedOptimizer.fp16_groups", "read", "stage-0 bf16: parameter -> its fp32 copy"),
     PatchedSymbol("FP16_UnfusedOptimizer.fp32_groups", "read", "the fp32 copies (the masters)"),
 )  # fmt: skip
@@ -275,6 +279,64 @@ def install_gradient_sync(engine: Any, layout: ParallelLayout) -> bool:
     return True
 
 
+# DeepSpeed engines whose next accumulation boundary applies nothing (`skip_next_update`), held weakly
+_SKIPPING: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def skip_next_update(engine: Any) -> None:
+    """The engine's next boundary `step()` applies nothing: no parameter, no optimizer state (Adam moments, step
+    count, weight decay) and no fp32-kept parameter changes, and its gradients are discarded; for a global batch
+    that holds no target tokens. DeepSpeed's own skip path is taken (the one a non-finite norm takes in each
+    optimizer), so its bookkeeping stays its own; `install_update_skip` opens that path on demand."""
+    _SKIPPING.add(engine)
+
+
+def install_update_skip(engine: Any) -> None:
+    """Per optimizer kind, the hook that sends a requested skip down DeepSpeed's invalid-norm path: a plain torch
+    optimizer (stage 0 fp32) is not called; ZeRO-1/2 see `overflow` set while they compute the norm; BF16_Optimizer
+    gets an inf among its norm's gradients; the stage-0 bf16 optimizer's overflow check reports one. Installed
+    after the norm fixes (outermost)."""
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "reduce_independent_p_g_buckets_and_remove_grads"):  # ZeRO-1/2
+        zero_norm = optimizer.scaled_global_norm
+
+        def scaled_global_norm(norm_type: int = 2) -> Any:
+            norm = zero_norm(norm_type)
+            if engine in _SKIPPING:
+                optimizer.overflow = True  # step() takes its overflow branch right after the norm
+            return norm
+
+        optimizer.scaled_global_norm = scaled_global_norm
+    elif hasattr(optimizer, "get_grads_for_norm"):  # BF16_Optimizer
+        grads_for_norm = optimizer.get_grads_for_norm
+
+        def get_grads_for_norm(for_clipping: bool = False) -> Any:
+            result = grads_for_norm(for_clipping=for_clipping)
+            if engine in _SKIPPING and not for_clipping:
+                device = next(engine.module.parameters()).device
+                result[0].append(torch.full((1,), float("inf"), device=device))
+            return result
+
+        optimizer.get_grads_for_norm = get_grads_for_norm
+    elif hasattr(optimizer, "overflow_checker"):  # FP16_UnfusedOptimizer (stage-0 bf16)
+        checker = optimizer.overflow_checker
+        check = checker.check
+
+        def overflow_check(*args: Any, **kwargs: Any) -> Any:
+            return True if engine in _SKIPPING else check(*args, **kwargs)
+
+        checker.check = overflow_check
+    elif isinstance(optimizer, torch.optim.Optimizer):  # a plain optimizer (stage 0 fp32)
+        plain_step = optimizer.step
+
+        def step_unless_skipped(*args: Any, **kwargs: Any) -> Any:
+            return None if engine in _SKIPPING else plain_step(*args, **kwargs)
+
+        optimizer.step = step_unless_skipped  # type: ignore[method-assign]
+    else:
+        raise TypeError(f"glm53_ds cannot skip an update of {type(optimizer).__name__}")
+
+
 def install_step_guard(engine: Any) -> None:
     """`engine.step()` at an accumulation boundary raises `NonFiniteGradientError` whenever the update was not applied
     because the global gradient norm was not finite: where glm53_ds's hooks refuse it (above) and where DeepSpeed
@@ -284,8 +346,15 @@ def install_step_guard(engine: Any) -> None:
 
     def step(*args: Any, **kwargs: Any) -> Any:
         boundary = engine.is_gradient_accumulation_boundary()
-        result = original_step(*args, **kwargs)
-        if boundary and not engine.was_step_applied():  # no loss scaling here: only an invalid norm skips
+        try:
+            result = original_step(*args, **kwargs)
+        finally:
+            skipped = boundary and engine in _SKIPPING
+            if boundary:
+                _SKIPPING.discard(engine)
+        if (
+            boundary and not engine.was_step_applied() and not skipped
+        ):  # no loss scaling: only an invalid norm
             norm = engine.get_global_grad_norm()
             raise NonFiniteGradientError(float("nan") if norm is None else float(norm))
         return result

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..parallel.layout import ParallelLayout
+from .deepspeed_internals import skip_next_update
 from .fp32_params import Fp32Params
 
 
@@ -35,6 +36,11 @@ class Glm53Engine:
         """DeepSpeed's step (a no-op between accumulation boundaries); raises `NonFiniteGradientError` when the
         update was not applied because the global gradient norm was not finite."""
         self.ds.step()
+
+    def skip_next_update(self) -> None:
+        """The next accumulation boundary applies nothing and discards its gradients (a global batch without
+        target tokens: weight decay and Adam's moments would still move every weight)."""
+        skip_next_update(self.ds)
 
     def train(self, mode: bool = True) -> Glm53Engine:
         self.ds.train(mode)

@@ -23,8 +23,10 @@ import warnings
 
 from ..config import Glm53Config
 from ..parallel.layout import validate_layout
-from ..training.presets import PRESETS, preset
+from ..training.config import check_seq_length
+from ..training.presets import PRESETS
 from .activations import plan_activations
+from .cli import check_numbers, model_config
 from .counts import KINDS, count_parameters
 from .memory import RECOMPUTE_ORDER, RESERVE_FRACTION, Layout, RankMemory, rank_memory, search
 from .state import GiB
@@ -38,10 +40,6 @@ def parse_bytes(text: str) -> int:
     if m is None or m.group(2).upper() not in _UNITS:
         raise ValueError(f"--gpu-memory {text!r}: expected a size such as 141GB or 80GiB")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-
-
-def _config(name: str) -> Glm53Config:
-    return preset(name) if name in PRESETS else Glm53Config.from_hf(name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,13 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning)  # megatron's notices about optional kernels
     try:
-        cfg = _config(args.model_config)
+        check_numbers(args, dict(world=1, ep=1, etp=1, sp=1, seq_length=1, micro_batch_size=1, lora_rank=0))
+        cfg = model_config(args.model_config)
         if args.no_mtp:
             cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
         gpu = parse_bytes(args.gpu_memory)
-        if args.seq_length > cfg.max_position_embeddings:
-            raise ValueError(f"--seq-length {args.seq_length} > the config's max_position_embeddings "
-                             f"{cfg.max_position_embeddings}")  # fmt: skip
+        check_seq_length(args.seq_length, cfg)
         if args.search:
             return _search(args, cfg, gpu)
         if args.world is None:

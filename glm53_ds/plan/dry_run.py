@@ -49,10 +49,11 @@ from ..layers.lora_targets import apply_lora
 from ..model import Glm53Model
 from ..parallel import init_layout
 from ..specs import get_glm53_block_spec, get_glm53_mtp_block_spec
-from ..training.config import TrainConfig, recompute_overrides
-from ..training.presets import PRESETS, preset
+from ..training.config import TrainConfig, check_seq_length, recompute_overrides
+from ..training.presets import PRESETS
 from ..training.trainable import select_trainable
 from ..transformer_config import make_transformer_config
+from .cli import check_numbers, model_config
 from .counts import count_parameters, lora_spec, whole_model_on_meta
 
 INT32_LIMIT = 2**31 - 1
@@ -134,8 +135,7 @@ def dry_run(
 ) -> DryRun:  # fmt: skip
     """Rank `rank` of EP x ETP ranks (a fake world of that size, joined here), forward + backward on meta."""
     warnings.filterwarnings("ignore", category=UserWarning)  # megatron's notices about optional kernels
-    if seq_length > cfg.max_position_embeddings:
-        raise ValueError(f"--seq-length {seq_length} > max_position_embeddings {cfg.max_position_embeddings}")
+    check_seq_length(seq_length, cfg)
     report = DryRun(name, seq_length, micro_batch, ep, etp, rank, lora_rank, gpt_model)
     start = time.perf_counter()
     model, shard = rank_model_on_meta(cfg, ep, etp, rank=rank, lora_rank=lora_rank,
@@ -256,11 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = p.parse_args(argv)
     try:
-        cfg = (
-            preset(args.model_config)
-            if args.model_config in PRESETS
-            else Glm53Config.from_hf(args.model_config)
+        check_numbers(
+            args, dict(ep=1, etp=1, seq_length=1, micro_batch_size=1, lora_rank=0, layers=0, rank=0)
         )
+        if args.rank >= args.ep * args.etp:
+            raise ValueError(f"--rank {args.rank} is outside the EP x ETP world of {args.ep * args.etp} ranks "
+                             f"(0 .. {args.ep * args.etp - 1})")  # fmt: skip
+        cfg = model_config(args.model_config)
         if args.layers:
             cfg = first_layers(cfg, args.layers)
         report = dry_run(cfg, args.seq_length, args.ep, args.etp, args.rank, args.micro_batch_size, args.lora_rank,

@@ -23,6 +23,7 @@ from ..config import Glm53Config
 from ..layers.lora import LORA_TARGETS, LoraSpec
 from ..safe_io import OutputPathError, check_output_dir, published_tags
 from ..transformer_config import FULL_RECOMPUTE_LOSSES
+from .data import check_data_path
 from .packing import LONG_DOCUMENTS
 from .presets import DEFAULT_ROUTER_BIAS_UPDATE_RATE, PRESET_ROUTER_BIAS_UPDATE_RATE, PRESETS, preset
 
@@ -45,6 +46,14 @@ def recompute_overrides(mode: str) -> dict[str, Any]:
 
 class SetupError(ValueError):
     """A problem found before training starts; the message names the option and values."""
+
+
+def check_seq_length(seq_length: int, cfg: Glm53Config) -> None:
+    """A row longer than the model's positions is refused, by the trainer, the planner and the dry run alike."""
+    if seq_length > cfg.max_position_embeddings:
+        raise SetupError(f"--seq-length {seq_length} is above the model's max_position_embeddings "
+                         f"{cfg.max_position_embeddings} (its config); raise that in the config to train longer "
+                         "rows")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -145,7 +154,8 @@ class TrainConfig:
         config = cls(**given)
         config.validate_inputs()
         # defaults that follow the model, whichever route it came by (--hf-dir, --model-config, --load)
-        _, name = resolve_model(config.hf_dir, config.model_config, config.load, config.load_tag)
+        cfg, name = resolve_model(config.hf_dir, config.model_config, config.load, config.load_tag)
+        check_seq_length(config.seq_length, cfg)
         if "router_bias_update_rate" not in given:
             # LoRA keeps the base as it is, the router's correction bias included (it is part of the base)
             rate = (
@@ -196,10 +206,12 @@ class TrainConfig:
             if given:
                 raise SetupError(f"{', '.join(given)} without --valid-data or --valid-split: give the validation "
                                  "data")  # fmt: skip
-        elif self.valid_data and not (
-            os.path.exists(self.valid_data) or os.path.exists(self.valid_data + ".bin")
-        ):
-            raise SetupError(f"--valid-data {self.valid_data!r}: no such file or indexed dataset")
+        for option, data_path in (("--data", self.data), ("--valid-data", self.valid_data)):
+            try:
+                if data_path is not None:
+                    check_data_path(data_path, option)  # in the first seconds, before DeepSpeed starts
+            except FileNotFoundError as e:
+                raise SetupError(str(e)) from e
         if self.wandb_mode not in ("online", "offline"):
             raise SetupError(f"--wandb-mode must be online or offline, got {self.wandb_mode!r}")
         if self.wandb_project is None and (self.wandb_mode != "online" or self.wandb_name):

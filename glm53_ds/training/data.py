@@ -147,6 +147,8 @@ def _jsonl_records(path: str) -> Iterator[tuple[str, Any]]:
                     yield f"{path}:{i}", json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{i}: not a JSON line ({e.msg} at column {e.colno})") from e
+                except RecursionError as e:
+                    raise ValueError(f"{path}:{i}: a JSON line nested too deeply to read") from e
 
 
 def _utf8(raw: bytes, where: str) -> str:
@@ -196,12 +198,19 @@ def _dataset_files(prefix: str) -> list[str]:
     return [prefix + ".idx", prefix + ".bin"]
 
 
+def check_data_path(data: str, option: str = "--data") -> None:
+    """FileNotFoundError naming `option` unless `data` is a file or an indexed dataset prefix (.bin + .idx)."""
+    if not (os.path.isfile(data) or (os.path.isfile(data + ".bin") and os.path.isfile(data + ".idx"))):
+        raise FileNotFoundError(
+            f"{option} {data!r}: neither a file nor an indexed dataset prefix (.bin/.idx)"
+        )
+
+
 def resolve_dataset(data: str, tokenizer: ByteTokenizer | HFTokenizer, cache_dir: str) -> str:
     """The indexed-dataset prefix for `--data` (tokenizing text/jsonl into `cache_dir` once)."""
+    check_data_path(data)
     if os.path.isfile(data + ".bin") and os.path.isfile(data + ".idx"):
         return data
-    if not os.path.isfile(data):
-        raise FileNotFoundError(f"--data {data!r}: neither a file nor an indexed dataset prefix (.bin/.idx)")
     prefix = os.path.join(cache_dir, f"{os.path.basename(data)}.{_cache_key([data], tokenizer.fingerprint)}")
     if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
         os.makedirs(cache_dir, exist_ok=True)

@@ -33,8 +33,9 @@ class StepMetrics:
     packing_efficiency: float | None = None  # real tokens / row tokens (packed rows)
     mtp_loss: float | None = None
     indexer_loss: float | None = None
+    update_skipped: bool | None = None  # True: a global batch without target tokens, nothing applied
 
-    OPTIONAL = ("packing_efficiency", "mtp_loss", "indexer_loss")  # left out of the record when None
+    OPTIONAL = ("packing_efficiency", "mtp_loss", "indexer_loss", "update_skipped")  # left out when None
 
     def as_record(self) -> dict[str, Any]:
         """The metrics.jsonl record: every field, the optional ones only when the run has them."""

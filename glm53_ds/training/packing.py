@@ -92,9 +92,10 @@ class SeededOrder:
 
 
 def subset_identity(order: SeededOrder) -> dict[str, object]:
-    """A restricted stream's part of the corpus, for its identity (nothing for a whole one: older checkpoints
-    match)."""
-    return {"samples": [order.first, order.first + order.num_samples]} if order.restricted else {}
+    """The part of the corpus a stream reads ([first, stop) of its samples; all of them without --valid-split),
+    for its identity: recorded always, so that a resume that drops, adds or changes --valid-split is refused
+    (checkpoints written before it was recorded always read the whole corpus when they record no range)."""
+    return {"samples": [order.first, order.first + order.num_samples]}
 
 
 def restrict_stream(stream: Any, start: int, stop: int) -> None:
@@ -213,16 +214,24 @@ def render_chat(
     template = getattr(tokenizer, "chat_template_ids", None)
     if template is None:
         raise ValueError(f"{where}: the tokenizer has no chat template")
+
+    def apply(upto: int, add_generation_prompt: bool) -> list[int]:
+        try:
+            return list(template(messages[:upto], add_generation_prompt=add_generation_prompt))
+        except Exception as e:  # the template is the tokenizer's own code (jinja): any failure names the line
+            raise ValueError(f"{where}: the tokenizer's chat template failed on messages[{upto - 1}] "
+                             f"({type(e).__name__}: {e})") from e  # fmt: skip
+
     ids: list[int] = []
     trained: list[bool] = []
     for i, message in enumerate(messages):
         if message["role"] == "assistant":
-            head = template(messages[:i], add_generation_prompt=True)
+            head = apply(i, add_generation_prompt=True)
             if head[: len(ids)] != ids:
                 raise ValueError(f"{where}: the chat template is not prefix-stable at message {i}")
             trained += [False] * (len(head) - len(ids))
             ids = head
-        full = template(messages[: i + 1], add_generation_prompt=False)
+        full = apply(i + 1, add_generation_prompt=False)
         if full[: len(ids)] != ids:
             raise ValueError(f"{where}: the chat template is not prefix-stable at message {i}")
         trained += [message["role"] == "assistant"] * (len(full) - len(ids))

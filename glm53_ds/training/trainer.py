@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from ..checkpoint import CheckpointDir, CheckpointError, layout_record, verify_checkpoint
 from ..checkpoint.base_weights import HF, NATIVE, base_record, check_base, describe_base
+from ..checkpoint.publish import shared_checksums
 from ..config import Glm53Config
 from ..engine import (
     Glm53Engine,
@@ -48,13 +49,14 @@ from ..layers.moe import update_router_bias
 from ..model import Glm53Model, LossParts
 from ..parallel.layout import ParallelLayout, init_layout, validate_layout
 from ..parallel.replicas import check_replicas
-from ..safe_io import DirectoryLock
+from ..safe_io import DirectoryLock, DiskFull
 from ..transformer_config import make_transformer_config
 from .args import build_parser
 from .config import SetupError, TrainConfig, recompute_overrides, resolve_model
 from .data import SampleStream, load_tokenizer, open_stream
 from .metrics import MetricsWriter, StepMetrics, WandbRun, plot_loss
 from .packing import Batch, PackedRowStream, hold_out
+from .stop_signals import Interrupted, StopSignals, signal_name
 from .trainable import select_trainable
 
 __all__ = ["SetupError", "Trainer", "TrainingStopped", "main"]
@@ -239,6 +241,8 @@ class Trainer:
         self.writer: MetricsWriter | None = None
         self.progress: tqdm | None = None
         self.save_lock: DirectoryLock | None = None
+        self.running_step: int | None = None  # the step running (0-based), for a stop's message
+        self._skipped_updates = 0  # steps whose global batch held no target tokens
 
     def close(self) -> None:
         """Release what the run holds (the --save lock); every exit path."""
@@ -268,28 +272,23 @@ class Trainer:
                 f"--tokenizer {c.tokenizer!r} has {tokenizer.vocab_size} tokens, more than the model's vocab_size "
                 f"{cfg.vocab_size}"
             )
-        init_distributed()
+        # the layout and batch sizes in the first seconds, before DeepSpeed starts (its op build can take minutes)
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        _or_setup_error(lambda: self._check_layout(world, early=True))
+        _or_setup_error(init_distributed)
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         if c.load:  # the whole tag checked before anything of it is read
             self.load_tag = _or_setup_error(lambda: verify_checkpoint(c.load, c.load_tag), alike=True)
             self.base_only = _or_setup_error(self._lora_against_load, alike=True)
         if c.lora_spec() is not None:
-            agreed(self._find_base)
+            self._find_base()
+        if self.base_checkpoint is not None:  # a native base: checked whole before anything of it is read
+            base_dir, base_tag = self.base_checkpoint
+            _or_setup_error(lambda: verify_checkpoint(base_dir, base_tag), alike=True)
         saved_batch = self._saved_global_batch()
 
-        def check_layout() -> None:  # the same inputs on every rank: a failure is every rank's
-            try:
-                validate_layout(self.world, c.ep, c.etp, cfg, sp=c.sp, seq_length=c.seq_length)
-                if c.sp > 1 and c.indexer_loss_coef > 0:
-                    raise ValueError(
-                        f"--indexer-loss-coef {c.indexer_loss_coef}: the DSA indexer loss is not supported under "
-                        "sequence parallelism; set it to 0"
-                    )
-            except ValueError as e:
-                raise SetupError(f"--ep {c.ep} --etp {c.etp} --sp {c.sp}: {e}") from e
-            self._plan = RunPlan.resolve(c, self.world, saved_batch)
-
-        _or_setup_error(check_layout, alike=True)
+        # the same inputs on every rank: a failure is every rank's
+        _or_setup_error(lambda: self._check_layout(self.world, saved_batch), alike=True)
         # Rank 0 tokenizes (and packs) once; the others wait, then every rank reads the same cache.
         cache_dir = os.path.join(c.output_dir, "data_cache")
 
@@ -325,12 +324,18 @@ class Trainer:
             here = layout_record(self.world, c.ep, c.etp, c.sp, self.plan.zero_stage, self.plan.bf16)
             weights_only = c.load_model_only or self.base_only
             agreed(lambda: check_checkpoint_fits(c.load, str(self.load_tag), cfg, here, weights_only))
+            if not weights_only:  # the data a training checkpoint resumes over
+                client = _or_setup_error(
+                    lambda: read_client_state(str(c.load), str(self.load_tag)), alike=True
+                )
+                agreed(lambda: self._check_resume_data(client))
             if self.base_checkpoint is not None:
                 base_dir, base_tag = self.base_checkpoint
                 agreed(lambda: check_checkpoint_fits(base_dir, base_tag, cfg, here, model_only=True))
 
         self.layout = init_layout(c.ep, c.etp, cfg, sp=c.sp)
-        self._engine = build_engine(self._build_model(), self.plan.ds_config, optimizer=self._adamw, layout=self.layout,
+        model = agreed(self._build_model)  # a damaged --hf-dir file found by one rank is said once, naming it
+        self._engine = build_engine(model, self.plan.ds_config, optimizer=self._adamw, layout=self.layout,
                                    no_decay_pattern=c.no_decay_pattern)  # fmt: skip
         if self.rank == 0:
             print(
@@ -340,7 +345,7 @@ class Trainer:
         if self.base_checkpoint is not None:  # an adapter checkpoint's native base, before the adapters
             base_dir, base_tag = self.base_checkpoint
             _or_setup_error(lambda: load_checkpoint(self.engine, base_dir, tag=base_tag, model_only=True,
-                                                    keep=is_lora_param))  # fmt: skip
+                                                    keep=is_lora_param, verify=False))  # fmt: skip
         if self.base is not None and c.load and not self.base_only:
             self._say(f"base weights: {describe_base(self.base)}")
         if c.load:
@@ -358,6 +363,23 @@ class Trainer:
                                         wandb_run=wandb_run)  # fmt: skip
             self.progress = tqdm(total=c.train_iters, initial=self.start_step, desc="train", dynamic_ncols=True,
                                  file=sys.stderr)  # fmt: skip
+
+    def _check_layout(self, world: int, saved_batch: int | None = None, early: bool = False) -> None:
+        """The layout (EP x ETP x SP over `world` ranks) and the run plan (batch sizes, DeepSpeed config), each
+        refused naming the options. `early`: before DeepSpeed starts, the plan only where no --load's batch is
+        still to be read (it is resolved for the run later)."""
+        c = self.config
+        try:
+            validate_layout(world, c.ep, c.etp, self.cfg, sp=c.sp, seq_length=c.seq_length)
+            if c.sp > 1 and c.indexer_loss_coef > 0:
+                raise ValueError(f"--indexer-loss-coef {c.indexer_loss_coef}: the DSA indexer loss is not "
+                                 "supported under sequence parallelism; set it to 0")  # fmt: skip
+        except ValueError as e:
+            raise SetupError(f"--ep {c.ep} --etp {c.etp} --sp {c.sp}: {e}") from e
+        if not early:
+            self._plan = RunPlan.resolve(c, world, saved_batch)
+        elif not c.load:
+            RunPlan.resolve(c, world, None)
 
     def _saved_global_batch(self) -> int | None:
         """The global batch the --load checkpoint trained with (a training checkpoint resumed whole), which the run
@@ -411,57 +433,89 @@ class Trainer:
     def _find_base(self) -> None:
         """A LoRA run's base (`self.base`) and where its weights come from. A fresh run's: --hf-dir, or --load of a
         checkpoint without adapters. A run resuming an adapter checkpoint (adapters without their base): the base
-        it records, from --hf-dir when given (checked against the record: other base weights would silently
-        change what the adapters mean), else from the recorded path (announced)."""
+        it records, from --hf-dir when given, else from the recorded path (announced); either is checked file by
+        file against the record (other base weights would silently change what the adapters mean). The checksums
+        of a released-layout base are spread over the ranks (`shared_checksums`)."""
+        c = self.config
+        source = agreed(self._base_source)
+        if source is None:
+            return
+        kind, path, tag, recorded, option = source
+        try:
+            given = base_record(kind, path, tag, checksums=shared_checksums)
+        except (OSError, ValueError) as e:  # alike on every rank (the checksums' failures are gathered)
+            if recorded is not None and not c.hf_dir:
+                message = (f"--load {c.load}: the adapters' base weights, {describe_base(recorded)}, cannot be read "
+                           f"({e}); give the base with --hf-dir")  # fmt: skip
+            else:
+                message = f"{option}: the base weights cannot be read ({e})"
+            error = SetupError(message)
+            error.agreed = True  # type: ignore[attr-defined]
+            raise error from e
+        if recorded is not None:
+            notice = agreed(lambda: check_base(recorded, given, option))
+            if notice:
+                self._say(notice)
+            if given["kind"] == HF:
+                self.weights_dir = given["path"]
+            else:
+                self.base_checkpoint = (given["path"], given["tag"])
+        self.base = given
+
+    def _base_source(self) -> tuple[str, str, str | None, dict[str, Any] | None, str] | None:
+        """(kind, path, tag, the record to check it against or None, the option that gave it) of a LoRA run's base;
+        None where there is none to record (random initial weights) or the checkpoint holds its base too."""
         c = self.config
         ckpt = CheckpointDir(c.load, str(self.load_tag)) if c.load else None
         if ckpt is None or self.base_only:
-            self.base = base_record(NATIVE, str(c.load), self.load_tag) if ckpt else (
-                base_record(HF, c.hf_dir) if c.hf_dir else None)  # fmt: skip
-            return
+            if ckpt is not None:
+                return NATIVE, str(c.load), self.load_tag, None, f"--load {c.load}"
+            return (HF, c.hf_dir, None, None, f"--hf-dir {c.hf_dir}") if c.hf_dir else None
         recorded = read_client_state(str(c.load), str(self.load_tag)).get("base")
         if not ckpt.adapters_only:  # a LoRA checkpoint holding its base too
             self.base = recorded
-            return
+            return None
         if recorded is None:
             raise SetupError(f"--load {c.load}: an adapter checkpoint that does not record its base weights")
         if c.hf_dir:
-            given, option = base_record(HF, c.hf_dir), f"--hf-dir {c.hf_dir}"
-        else:
-            option = f"--load {c.load} (the base it records)"
-            try:
-                given = base_record(recorded["kind"], recorded["path"], recorded.get("tag"))
-            except (OSError, ValueError) as e:
-                raise SetupError(f"--load {c.load}: the adapters' base weights, {describe_base(recorded)}, cannot "
-                                 f"be read ({e}); give the base with --hf-dir") from e  # fmt: skip
-        check_base(recorded, given, option)
-        self.base = given
-        if given["kind"] == HF:
-            self.weights_dir = given["path"]
-        else:
-            self.base_checkpoint = (given["path"], given["tag"])
+            return HF, c.hf_dir, None, recorded, f"--hf-dir {c.hf_dir}"
+        return (
+            recorded["kind"],
+            recorded["path"],
+            recorded.get("tag"),
+            recorded,
+            f"--load {c.load} (the base it records)",
+        )
 
-    def _resume(self, client: dict[str, Any]) -> None:
-        """Step, data position (consumed samples), RNG from a training checkpoint; a converted (model-only) one
-        starts at step 0. A checkpoint whose sample order differs from this run's is refused: resuming it would
-        re-read or skip samples."""
+    def _check_resume_data(self, client: dict[str, Any]) -> None:
+        """Before any model is built: a training checkpoint resumes only over the same data (its identity: corpus,
+        sample length, seed, the sample range --valid-split leaves to training); anything else would re-read or
+        skip samples, or train on held-out ones, so it is refused naming the option."""
         assert self.stream is not None
-        self.start_step = int(client.get("step", 0))
-        where = os.path.join(self.config.load or "", str(self.load_tag))
-        if self.start_step == 0:
-            what = "the base weights" if self.base_only else "the weights"
-            fresh = "fresh LoRA adapters, " if self.base_only else ""
-            self._say(f"loaded {what} of {where} ({fresh}fresh optimizer state, step 0, data from the start)")
+        c = self.config
+        if int(client.get("step", 0)) == 0:
             return
         if "consumed_samples" not in client:
-            raise SetupError(f"--load {self.config.load}: the checkpoint does not record its data position "
-                             "(consumed samples); it predates this trainer")  # fmt: skip
-        self.consumed = int(client["consumed_samples"])
-        stored = client.get("data", {})
+            raise SetupError(f"--load {c.load}: the checkpoint does not record its data position (consumed "
+                             "samples); it predates this trainer")  # fmt: skip
+        stored = dict(client.get("data", {}))
+        if (
+            "samples" not in stored
+        ):  # written before the range was recorded always: unsplit runs read it whole
+            held = self.valid.num_samples if c.valid_split and self.valid is not None else 0
+            stored["samples"] = [0, self.stream.num_samples + held]
+        if stored["samples"] != self.stream.identity["samples"]:
+            saved_range, this_range = list(stored["samples"]), list(self.stream.identity["samples"])  # type: ignore[call-overload]
+            (a, b), (x, y) = saved_range, this_range
+            raise SetupError(
+                f"--valid-split {c.valid_split:g}: this run trains on samples [{x}, {y}) of --data, the checkpoint "
+                f"trained on [{a}, {b}) (another --valid-split); resuming would train on held-out samples or skip "
+                "some. Resume with the checkpoint's --valid-split, or start from its weights with --load-model-only"
+            )
         unrecorded = [k for k in self.stream.identity if k not in stored]
         if unrecorded and self.rank == 0:  # saved before glm53_ds recorded them
-            print(f"--load {self.config.load}: the checkpoint does not record the data's {', '.join(unrecorded)}; "
-                  "those are not checked", file=sys.stderr)  # fmt: skip
+            print(f"--load {c.load}: the checkpoint does not record the data's {', '.join(unrecorded)}; those are "
+                  "not checked", file=sys.stderr)  # fmt: skip
         differ = {
             k: (v, stored[k]) for k, v in self.stream.identity.items() if k in stored and stored[k] != v
         }
@@ -470,14 +524,34 @@ class Trainer:
                 f"{k} {now} here, {then} in the checkpoint" for k, (now, then) in differ.items()
             )
             raise SetupError(
-                f"--load {self.config.load}: the data differs from the checkpoint's ({shown}); resuming would re-read "
-                "or skip samples (use the same --data, --seq-length and --seed, or start from the weights with a "
-                "converted checkpoint)"
+                f"--load {c.load}: the data differs from the checkpoint's ({shown}); resuming would re-read or skip "
+                "samples (use the same --data, --seq-length and --seed, or start from its weights with "
+                "--load-model-only: fresh optimizer state, step 0)"
             )
+
+    def _resume(self, client: dict[str, Any]) -> None:
+        """Step, data position (consumed samples), RNG from a training checkpoint (its data checked in set-up); a
+        converted (model-only) one starts at step 0. A schedule that differs from the checkpoint's is announced."""
+        c = self.config
+        self.start_step = int(client.get("step", 0))
+        where = os.path.join(c.load or "", str(self.load_tag))
+        if self.start_step == 0:
+            what = "the base weights" if self.base_only else "the weights"
+            fresh = "fresh LoRA adapters, " if self.base_only else ""
+            self._say(f"loaded {what} of {where} ({fresh}fresh optimizer state, step 0, data from the start)")
+            return
+        self.consumed = int(client["consumed_samples"])
         if "rng" in client:
             torch.set_rng_state(client["rng"])
         self._say(f"resumed from {where}: step {self.start_step}, {self.consumed} consumed samples, global batch "
                   f"{self.plan.global_batch}")  # fmt: skip
+        saved = client.get("schedule")
+        if saved and saved != schedule_record(c):
+            before = dataclasses.replace(c, **saved).lr_at(self.start_step)
+            changed = ", ".join(f"--{k.replace('_', '-')} {saved[k]} -> {v}" for k, v in schedule_record(c).items()
+                                if saved.get(k) != v)  # fmt: skip
+            self._say(f"learning-rate schedule: {changed} (the checkpoint's); at step {self.start_step} the "
+                      f"learning rate is {c.lr_at(self.start_step):.3g} (it would have been {before:.3g})")  # fmt: skip
 
     def _build_model(self) -> Glm53Model:
         c, cfg = self.config, self.cfg
@@ -541,24 +615,33 @@ class Trainer:
             parts.append(loss)
             if micro == plan.gas - 1:
                 reduced = self._reduce_and_check(step, parts, counts)  # before the one update of the step
+                if reduced.target_tokens == 0:  # nothing to learn: weight decay alone would move the weights
+                    engine.skip_next_update()
+                    self._skipped_updates += 1
+                    if self._skipped_updates == 1:
+                        self._say(f"step {step + 1}: the global batch holds no target tokens; its update is skipped "
+                                  "(weights, optimizer state and router bias unchanged; said once, metrics.jsonl "
+                                  "marks each such step update_skipped)")  # fmt: skip
             try:
                 engine.step()
             except NonFiniteGradientError as e:  # raised on every rank alike, before any parameter changed
                 raise TrainingStopped(f"gradient norm is {e.norm} at step {step + 1}; training stopped before "
-                                      f"updating the weights. {self._last_good()}") from e  # fmt: skip
+                                      f"updating the weights. {self.last_good()}") from e  # fmt: skip
         assert reduced is not None
         self.consumed += plan.samples_per_step(c.micro_batch_size)
-        balance = update_router_bias(engine.module, rate=c.router_bias_update_rate)
+        skipped = reduced.target_tokens == 0
+        balance = update_router_bias(engine.module, rate=0.0 if skipped else c.router_bias_update_rate)
         step_time = time.perf_counter() - started
         norm = engine.get_global_grad_norm()
         tokens = plan.samples_per_step(c.micro_batch_size) * c.seq_length
         return StepMetrics(
             step=step + 1, consumed_samples=self.consumed, loss=reduced.loss, lm_loss=reduced.lm_loss, lr=lr,
-            grad_norm=None if norm is None else float(norm), tokens_per_s=tokens / step_time, step_time=step_time,
+            grad_norm=None if norm is None or skipped else float(norm), tokens_per_s=tokens / step_time, step_time=step_time,
             moe_imbalance=max(balance.values()) if balance else None, target_tokens=reduced.target_tokens,
             packing_efficiency=reduced.real_tokens / tokens if isinstance(self.stream, PackedRowStream) else None,
             mtp_loss=reduced.mtp_loss if engine.module.mtp is not None else None,
             indexer_loss=reduced.indexer_loss if c.indexer_loss_coef > 0 else None,
+            update_skipped=True if skipped else None,
         )  # fmt: skip
 
     def evaluate(self, step: int) -> dict[str, Any]:
@@ -623,7 +706,7 @@ class Trainer:
         if bad:
             raise TrainingStopped(
                 f"loss is {reduced.loss} at step {step + 1} (micro-batch {bad[0]}); training stopped before "
-                f"updating the weights. {self._last_good()}"
+                f"updating the weights. {self.last_good()}"
             )
         return reduced
 
@@ -649,7 +732,7 @@ class Trainer:
         bad = [i for i, f in enumerate(flags_out) if f > 0]
         return bad, _StepReduction(total, lm, mtp, indexer, int(targets), int(real))
 
-    def _last_good(self) -> str:
+    def last_good(self) -> str:
         """Where a stopped run can be resumed from: the last checkpoint it saved, or what it started from."""
         if self.last_saved:
             return f"The last checkpoint this run saved is {self.last_saved}"
@@ -662,14 +745,18 @@ class Trainer:
         assert self.layout is not None and self.stream is not None and self.config.save
         check_replicas(self.engine.module, self.layout)
         client = {"step": step, "consumed_samples": self.consumed, "global_batch_size": self.plan.global_batch,
-                  "data": self.stream.identity, "rng": torch.get_rng_state(),
+                  "data": self.stream.identity, "rng": torch.get_rng_state(), "schedule": schedule_record(self.config),
                   "lora": lora_record(self.config.lora_spec()), "base": self.base}  # fmt: skip
         adapters_only = self.base is not None and self.config.lora_spec() is not None
         try:
             self.last_saved = save_checkpoint(self.engine, self.config.save, f"step{step}", client_state=client,
                                               adapters_only=adapters_only)  # fmt: skip
         except CheckpointError as e:  # non-finite weights: decided on every rank alike
-            raise TrainingStopped(f"{e}. {self._last_good()}") from e
+            raise TrainingStopped(f"{e}. {self.last_good()}") from e
+        except DiskFull as e:  # found by the ranks whose writes failed, not by all
+            stopped = TrainingStopped(f"{e}. {self.last_good()}")
+            stopped.agreed = False  # type: ignore[attr-defined]
+            raise stopped from e
         self._say(f"saved {self.last_saved} (step {step}, {self.consumed} consumed samples)")
 
     def _say(self, line: str) -> None:
@@ -725,6 +812,7 @@ class Trainer:
         if self.valid is not None and c.eval_at_start:
             self.evaluate(self.start_step)
         for step in range(self.start_step, c.train_iters):
+            self.running_step = step
             self._log(self.train_step(step).as_record())
             if self.valid is not None and c.eval_interval and (step + 1) % c.eval_interval == 0:
                 self.evaluate(step + 1)
@@ -757,7 +845,7 @@ def report_error(error: Exception, lead: str = "") -> None:
     rank 0 (local rank 0 before the group exists); one that a rank found alone is printed by it, naming it."""
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
-        alike = isinstance(error, TrainingStopped) or getattr(error, "agreed", False)
+        alike = getattr(error, "agreed", isinstance(error, TrainingStopped))
     else:
         rank, world, alike = int(os.environ.get("LOCAL_RANK", "0")), 1, True
     if not alike or rank == 0:
@@ -771,9 +859,32 @@ def report_error(error: Exception, lead: str = "") -> None:
         time.sleep(2)
 
 
+def _report_stop(signum: int, trainer: Trainer | None) -> None:
+    """A stop signal's one line (rank 0): where the run stopped and what survived; then the --save lock goes."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("LOCAL_RANK", "0"))
+    if rank == 0:
+        at = (
+            f" at step {trainer.running_step + 1}"
+            if trainer is not None and trainer.running_step is not None
+            else ""
+        )
+        survived = trainer.last_good() if trainer is not None else "Nothing was written yet"
+        released = (
+            "; the --save lock is released" if trainer is not None and trainer.save_lock is not None else ""
+        )
+        print(
+            f"\nerror: stopped by {signal_name(signum)}{at}{released}. {survived}",
+            file=sys.stderr,
+            flush=True,
+        )
+    if trainer is not None:
+        trainer.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     trainer: Trainer | None = None
+    stop = StopSignals(lambda signum: _report_stop(signum, trainer)).install()
     try:
         trainer = Trainer(TrainConfig.from_args(args))
         last = trainer.run()
@@ -781,12 +892,21 @@ def main(argv: list[str] | None = None) -> int:
             print("final: " + format_record(last))
         return 0
     except SetupError as e:
+        stop.quiet()
         report_error(e)
         return 2
     except TrainingStopped as e:
+        stop.quiet()
         report_error(e, lead="\n")  # after the progress bar's line
         return 3
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`Interrupted`)
+        return stop.code_of(e)
+    except Exception:  # a collective broken by a peer that stopped first: still the signal's stop
+        if stop.received is None:
+            raise
+        return stop.code_of(Interrupted())
     finally:  # every rank reaches here together: refusals and stops are decided on all ranks alike
+        stop.uninstall()
         if trainer is not None:
             trainer.close()
         close_distributed()
@@ -797,6 +917,11 @@ def _loggable(config: TrainConfig) -> dict[str, Any]:
     return {
         k: v for k, v in dataclasses.asdict(config).items() if isinstance(v, str | int | float | bool | None)
     }
+
+
+def schedule_record(config: TrainConfig) -> dict[str, Any]:
+    """What fixes the learning rate at each step (`TrainConfig.lr_at`), recorded by checkpoints."""
+    return {k: getattr(config, k) for k in ("lr", "min_lr", "warmup", "train_iters")}
 
 
 def lora_record(spec: LoraSpec | None) -> dict[str, Any] | None:

@@ -100,3 +100,46 @@ def test_a_checkpoint_without_adapters_is_refused(hf_dir, tmp_path):
     native = hf_to_native(str(hf_dir), str(tmp_path / "native"))
     with pytest.raises(ConversionError, match="not a LoRA checkpoint"):
         native_to_peft(native, str(tmp_path / "out"))
+
+
+def _rewrite(tag, name, make):
+    """Replace stored tensor `name` of the tag's replicated set by `make(tensor)`; the manifest follows (a tag
+    whose files are whole, holding the odd tensor)."""
+    from safetensors.torch import load_file, save_file
+
+    from glm53_ds.safe_io import describe_files, list_files, write_manifest
+
+    shard = tag / "glm53" / "replicated-00001.safetensors"
+    tensors = load_file(str(shard))
+    tensors[name] = make(tensors[name])
+    save_file(tensors, str(shard))
+    write_manifest(str(tag), describe_files(str(tag), list_files(str(tag))))
+
+
+@pytest.mark.parametrize(
+    "case, make, message",
+    [
+        ("nan", lambda t: t.clone().fill_(float("nan")), "holds non-finite values"),
+        ("int32 bits", lambda t: t.view(torch.int32).clone(), "is stored as int32"),
+        ("wrong shape", lambda t: torch.zeros(t.shape[0] + 1, t.shape[1]), "has shape"),
+    ],
+)
+def test_native_to_peft_refuses_adapters_it_cannot_export_truthfully(tmp_path, case, make, message):
+    """Before: NaN adapters exported with rc 0; int32 bits read as values (3e9-sized floats); a wrong-shaped adapter
+    a traceback. Now one error naming the tensor, nothing written."""
+    import shutil
+
+    from tests.model_fixtures import save_lora_native
+
+    base = save_lora_native(tmp_path / "base", LoraSpec(rank=2, alpha=4.0, targets=("mla",)))
+    native_to_peft(str(base), str(tmp_path / "ok"))  # the tag as saved exports
+    tag = tmp_path / "ck" / "step1"
+    shutil.copytree(base, tag)
+    name = sorted(
+        k for k in glm53_ds.convert.export_hf.NativeCheckpoint(str(tag)).keys() if k.endswith("lora.A")
+    )[0]
+    _rewrite(tag, name, make)
+    with pytest.raises(ValueError, match=message) as error:
+        native_to_peft(str(tag), str(tmp_path / "out"))
+    assert name in str(error.value)
+    assert not (tmp_path / "out").exists()

@@ -63,3 +63,44 @@ def test_control_without_the_guards(stage, bf16, clip, monkeypatch):
     _poisoned_step(engine, POISON)  # no error
     finite = torch.isfinite(dict(engine.module.named_parameters())[POISON]).all()
     assert (not finite) if stage == 0 else (finite and not engine.was_step_applied())
+
+
+# ----------------------------------------------------------------------------- a skipped update
+def _step(engine, seed: int, targets: bool = True, skip: bool = False) -> None:
+    ids = torch.randint(1, 96, (2, 12), generator=torch.Generator().manual_seed(seed))
+    loss = engine(ids, labels=ids if targets else torch.full_like(ids, -100))
+    engine.backward(loss)
+    if skip:
+        engine.skip_next_update()
+    engine.step()
+
+
+def _trained(stage, bf16, clip, zero_target_step: str | None) -> dict[str, torch.Tensor]:
+    """Two real steps, with a step over a batch without targets between them (skipped, applied) or without it."""
+    torch.manual_seed(0)
+    model = glm53_ds.build_model(Glm53Config.from_text_dict(CONFIG_A), mtp=False)
+    engine = glm53_ds.build_engine(model, engine_config(stage, bf16, clip))
+    _step(engine, 1)
+    if zero_target_step is not None:
+        _step(engine, 2, targets=False, skip=zero_target_step == "skipped")
+    _step(engine, 3)
+    weights = _weights(engine.module)
+    if engine.fp32_params is not None:
+        weights.update({f"fp32:{n}": t.detach().clone() for n, t in engine.fp32_params.named})
+    return weights
+
+
+@pytest.mark.parametrize(
+    "stage, bf16, clip",
+    [(0, False, 1.0), (0, False, 0.0), (0, True, 1.0), (1, True, 1.0), (2, True, 1.0), (2, False, 1.0)],
+)  # fmt: skip
+def test_a_skipped_update_is_as_if_the_step_never_happened(stage, bf16, clip):
+    """Before: a global batch without target tokens still applied weight decay and moved Adam's moments (75 of 132
+    tensors changed). `skip_next_update` takes each optimizer's own skip path: two steps around a skipped one equal
+    the two steps alone, bitwise (weights, fp32-kept parameters; the next update shows Adam's state untouched).
+    Control: the same step applied moves them."""
+    alone = _trained(stage, bf16, clip, None)
+    skipped = _trained(stage, bf16, clip, "skipped")
+    assert [n for n in alone if not torch.equal(alone[n], skipped[n])] == []
+    applied = _trained(stage, bf16, clip, "applied")
+    assert sum(not torch.equal(alone[n], applied[n]) for n in alone) > len(alone) // 3

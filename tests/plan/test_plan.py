@@ -152,7 +152,33 @@ def test_the_command_line(capsys):
     assert plan_main(["--model-config", "tiny", "--world", "3", "--sp", "3", "--seq-length", "128"]) == 2
     assert "seq_length 128 is not divisible by SP = 3" in capsys.readouterr().err
     assert plan_main(["--model-config", "tiny", "--world", "1"]) == 2
-    assert "--seq-length 8192 > the config's max_position_embeddings 4096" in capsys.readouterr().err
+    assert "--seq-length 8192 is above the model's max_position_embeddings 4096" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--world", "0"], "--world must be >= 1, got 0"),
+        (["--world", "8", "--seq-length", "0"], "--seq-length must be >= 1, got 0"),
+        (["--world", "8", "--seq-length", "-4"], "--seq-length must be >= 1, got -4"),
+        (["--world", "8", "--micro-batch-size", "0"], "--micro-batch-size must be >= 1, got 0"),
+        (["--world", "8", "--ep", "0"], "--ep must be >= 1, got 0"),
+    ],
+)
+def test_impossible_numbers_are_one_error_line(argv, message, capsys):
+    """Before: the planner and the dry run crashed on these (ZeroDivisionError and friends, a traceback)."""
+    assert plan_main(["--model-config", "tiny", "--seq-length", "128", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"error: {message}", err
+
+
+def test_the_dry_run_refuses_a_rank_outside_its_world(capsys):
+    from glm53_ds.plan.dry_run import main as dry_run_main
+
+    assert dry_run_main(["--model-config", "tiny", "--ep", "2", "--rank", "2", "--seq-length", "64"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --rank 2 is outside the EP x ETP world of 2 ranks (0 .. 1)"
+    assert dry_run_main(["--model-config", "tiny", "--seq-length", "0"]) == 2
+    assert "--seq-length must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_search_finds_the_smallest_world_and_only_layouts_that_fit():

@@ -125,7 +125,10 @@ def test_valid_split_holds_out_the_last_samples(tmp_path, chat):
         whole,
     ]
     plain = open_stream(data, ByteTokenizer(), str(tmp_path), 32, 3, 300, pack=False)
-    assert "samples" not in plain.identity  # a whole stream's identity is what checkpoints recorded before
+    assert plain.identity["samples"] == [
+        0,
+        whole,
+    ]  # recorded always: a resume that drops the split is refused
     with pytest.raises(ValueError, match=r"--valid-split 1: holds out .* leaving none to train on"):
         hold_out(plain, open_stream(data, ByteTokenizer(), str(tmp_path), 32, 3, 300, pack=False), 1.0)
 
@@ -135,7 +138,7 @@ def test_valid_split_holds_out_the_last_samples(tmp_path, chat):
     [
         (["--eval-interval", "5"], r"--eval-interval without --valid-data or --valid-split"),
         (["--eval-at-start"], r"--eval-at-start without --valid-data"),
-        (["--valid-data", "/nonexistent/valid.txt"], r"--valid-data '/nonexistent/valid.txt': no such file"),
+        (["--valid-data", "/nonexistent/valid.txt"], r"--valid-data '/nonexistent/valid.txt': neither a file nor an indexed dataset"),
         (["--valid-data", CORPUS, "--eval-iters", "0"], r"--eval-iters must be >= 1"),
         (["--valid-split", "0.7"], r"--valid-split must be in \[0, 0.5\]"),
         (["--valid-split", "0.1", "--valid-data", CORPUS], r"--valid-split with --valid-data: give one"),
@@ -144,3 +147,54 @@ def test_valid_split_holds_out_the_last_samples(tmp_path, chat):
 def test_bad_validation_options_are_one_error(argv, message):
     with pytest.raises(SetupError, match=message):
         train_config(*argv)
+
+
+def test_a_resume_keeps_the_valid_split(tmp_path):
+    """Before: a resume that dropped --valid-split was accepted (training then read the held-out samples), and
+    adding a split to an unsplit checkpoint passed with the notice meant for old checkpoints. Now the sample range
+    is recorded always and a resume with another one, or none, is refused naming --valid-split; a checkpoint
+    written before the range was recorded counts as the whole corpus (the control: it resumes unsplit)."""
+    import torch
+
+    from glm53_ds.checkpoint import CLIENT_STATE, CheckpointDir
+    from glm53_ds.engine import close_distributed
+    from glm53_ds.safe_io import describe_files, list_files, write_manifest
+    from glm53_ds.training.trainer import Trainer
+
+    base = [*QUICK[2:], "--train-iters", "2", "--micro-batch-size", "2"]
+
+    def setup(*argv: str) -> Trainer:
+        trainer = Trainer(train_config(*base, *argv))
+        try:
+            trainer.setup()
+        finally:
+            trainer.close()
+        return trainer
+
+    try:
+        for name, split in (("split", ["--valid-split", "0.2"]), ("whole", [])):
+            trainer = Trainer(train_config(*base, *split, "--save", str(tmp_path / name), "--output-dir",
+                                           str(tmp_path / f"out_{name}")))  # fmt: skip
+            trainer.run()
+            trainer.close()
+        resume = ["--train-iters", "3", "--output-dir", str(tmp_path / "resume")]
+        with pytest.raises(
+            SetupError, match=r"--valid-split 0: this run trains on samples \[0, \d+\) .* trained on"
+        ):
+            setup("--load", str(tmp_path / "split"), *resume)
+        with pytest.raises(SetupError, match=r"--valid-split 0.2: .*another --valid-split"):
+            setup("--load", str(tmp_path / "whole"), "--valid-split", "0.2", *resume)
+        setup("--load", str(tmp_path / "split"), "--valid-split", "0.2", *resume)  # the same split resumes
+
+        # a checkpoint from before the range was recorded: its client state without "samples" = the whole corpus
+        tag = CheckpointDir(str(tmp_path / "whole")).tag_dir
+        path = os.path.join(tag, "glm53", CLIENT_STATE)
+        client = torch.load(path, weights_only=True)
+        client["data"].pop("samples")
+        torch.save(client, path)
+        write_manifest(tag, describe_files(tag, list_files(tag)))
+        assert setup("--load", str(tmp_path / "whole"), *resume).start_step == 2
+        with pytest.raises(SetupError, match=r"--valid-split 0.2"):
+            setup("--load", str(tmp_path / "whole"), "--valid-split", "0.2", *resume)
+    finally:
+        close_distributed()

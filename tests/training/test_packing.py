@@ -266,3 +266,26 @@ def test_chat_shapes_map_to_messages():
         chat_messages({"conversations": [{"from": "bot", "value": "x"}]}, "f:5")
     with pytest.raises(ValueError, match=r"f:6: conversations\[0\]\.value must be a string"):
         chat_messages({"conversations": [{"from": "human", "value": None}]}, "f:6")
+
+
+def test_a_raising_chat_template_and_a_deeply_nested_line_name_file_and_line(tmp_path):
+    """Before: both ended in a traceback (jinja's TemplateError from the template's own `raise_exception`, a
+    RecursionError from the JSON parser). Now one error each naming file and line."""
+    tok = _word_tokenizer(tmp_path / "tok")
+    tok.tok.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system turns') }}{% endif %}"
+    )
+    path = tmp_path / "chat.jsonl"
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"}]  # fmt: skip
+    path.write_text(
+        json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps({"messages": messages}) + "\n"
+    )
+    with pytest.raises(ValueError, match=rf"{path}:2: the tokenizer's chat template failed on messages\[0\] "
+                                         r"\(TemplateError: no system turns\)"):  # fmt: skip
+        open_stream(str(path), tok, str(tmp_path / "c"), 64, 1, 300, pack=False)
+    path.write_text(
+        json.dumps({"prompt": "a", "completion": "b"}) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n"
+    )
+    with pytest.raises(ValueError, match=rf"{path}:2: a JSON line nested too deeply to read"):
+        open_stream(str(path), ByteTokenizer(), str(tmp_path / "d"), 64, 1, 300, pack=False)

@@ -386,3 +386,142 @@ def test_saves_resumes_and_names_are_said(tmp_path):
     final = next(line for line in proc.stdout.splitlines() if line.startswith("final: "))
     assert f"lm_loss {record['lm_loss']:.4f}" in final and f"loss {record['loss']:.4f}" in final
     assert f"mtp_loss {record['mtp_loss']:.4f}" in final
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_releases_the_lock_and_says_what_survived(tmp_path, sig):
+    """Before: a scheduler's SIGTERM left the --save lock behind and said nothing; Ctrl-C printed two tracebacks
+    and nothing about what survived. Now one `error:` line names the signal, the step and the last checkpoint, the
+    lock is released, and the exit status is 128 + the signal."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from glm53_ds.safe_io import LOCK_FILE
+    from tests.cli import ROOT, TRAIN
+
+    save = tmp_path / "ck"
+    proc = subprocess.Popen([sys.executable, TRAIN, "--seq-length", "16", "--train-iters", "100000", "--save",
+                             str(save), "--save-interval", "2", "--output-dir", str(tmp_path / "out")],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.time() + 600
+        while not (save / "latest").exists() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert (save / LOCK_FILE).exists()
+        proc.send_signal(getattr(signal, sig))
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + getattr(signal, sig), err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"stopped by {'SIGTERM' if sig == 'SIGTERM' else 'Ctrl-C'}" in errors[0], err[
+        -2000:
+    ]
+    assert "The last checkpoint this run saved is" in errors[0] and str(save) in errors[0]
+    assert not (save / LOCK_FILE).exists()
+
+
+@pytest.mark.slow
+def test_two_ranks_refuse_bad_input_once_before_deepspeed_starts(tmp_path):
+    """Before: a missing --data was found after DeepSpeed's start and its op build (1-2.5 min on a fresh machine);
+    a second job on the port of a first one hid the real error under a 30-line EADDRINUSE traceback; a rank
+    waiting for rank 0 to print died of the launcher's SIGTERM with a traceback of its own. Now one `error:` line
+    each, and the missing --data before DeepSpeed's op is even loaded."""
+    import socket
+    import subprocess
+
+    from glm53_ds.parallel.state import free_port
+    from tests.cli import ROOT, TRAIN, deepspeed_run
+
+    missing = deepspeed_run(2, "--data", str(tmp_path / "nope.txt"), "--output-dir", str(tmp_path / "a"))
+    error = one_error(missing)
+    assert "--data" in error and "nope.txt" in error and "Traceback" not in missing.stderr, missing.stderr[
+        -3000:
+    ]
+    assert "deepspeed_shm_comm_op" not in missing.stdout + missing.stderr  # refused before DeepSpeed started
+
+    port = free_port()
+    with socket.socket() as taken:  # another job's rendezvous on that port
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        busy = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(port), TRAIN, *QUICK,
+                               "--output-dir", str(tmp_path / "b")], capture_output=True, text=True, cwd=ROOT,
+                              timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    error = [line for line in busy.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1 and f"--master_port {port}: the port is in use" in error[0], busy.stderr[-3000:]
+    assert "Traceback" not in busy.stderr, busy.stderr[-3000:]
+
+
+def test_a_resume_with_another_schedule_says_so(tmp_path, capsys):
+    """Before: a resume with another --train-iters bent the cosine schedule without a word (the learning rate at the
+    resumed step jumps). Now one line names the changed options and the learning rate before and after; the
+    same schedule says nothing (the control)."""
+    from glm53_ds.engine import close_distributed
+    from glm53_ds.training.trainer import Trainer
+    from tests.cli import train_config
+
+    common = [*QUICK[2:], "--micro-batch-size", "2", "--warmup", "1"]
+    try:
+        first = Trainer(train_config(*common, "--train-iters", "4", "--save", str(tmp_path / "ck"),
+                                     "--save-interval", "2", "--output-dir", str(tmp_path / "a")))  # fmt: skip
+        first.run()
+        first.close()
+        capsys.readouterr()
+        for iters, said in (("4", False), ("10", True)):
+            resumed = Trainer(train_config(*common, "--train-iters", iters, "--load", str(tmp_path / "ck"),
+                                           "--load-tag", "step2", "--output-dir", str(tmp_path / f"b{iters}")))  # fmt: skip
+            resumed.setup()
+            resumed.close()
+            err = capsys.readouterr().err
+            line = [x for x in err.splitlines() if x.startswith("learning-rate schedule:")]
+            assert bool(line) == said, err
+        assert "--train-iters 4 -> 10" in line[0] and "at step 2 the learning rate is" in line[0]
+    finally:
+        close_distributed()
+
+
+def test_a_global_batch_without_targets_skips_its_update(tmp_path, capsys):
+    """Before: a global batch with zero target tokens still applied weight decay, Adam's moments and the router-bias
+    update. Now the step is skipped (said once; its metrics record says `update_skipped`); the run goes on."""
+    import dataclasses
+
+    from glm53_ds.engine import close_distributed
+    from glm53_ds.training.packing import IGNORE_INDEX
+    from glm53_ds.training.trainer import Trainer
+    from tests.cli import train_config
+
+    trainer = Trainer(train_config(*QUICK[2:], "--train-iters", "3", "--micro-batch-size", "2",
+                                   "--output-dir", str(tmp_path / "out")))  # fmt: skip
+    try:
+        trainer.setup()
+        real = trainer.stream.micro_batch
+
+        def no_targets_at_step_2(consumed, *args):  # the second global batch: every label ignored
+            batch = real(consumed, *args)
+            if consumed == 2:
+                batch = dataclasses.replace(batch, labels=torch.full_like(batch.labels, IGNORE_INDEX),
+                                            next_tokens=torch.full_like(batch.next_tokens, IGNORE_INDEX))  # fmt: skip
+            return batch
+
+        trainer.stream.micro_batch = no_targets_at_step_2
+        weights = {}
+        for step in range(3):
+            record = trainer.train_step(step).as_record()
+            weights[step] = {
+                n: p.detach().clone() for n, p in trainer.engine.module.state_dict().items() if p is not None
+            }
+            assert record.get("update_skipped", False) == (step == 1), record
+        assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])  # step 2 changed nothing
+        assert not all(torch.equal(weights[1][n], weights[2][n]) for n in weights[1])  # step 3 did
+        assert (
+            "step 2: the global batch holds no target tokens; its update is skipped"
+            in capsys.readouterr().err
+        )
+    finally:
+        trainer.close()
+        close_distributed()
