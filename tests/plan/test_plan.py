@@ -176,7 +176,9 @@ def test_the_dry_run_refuses_a_rank_outside_its_world(capsys):
     from glm53_ds.plan.dry_run import main as dry_run_main
 
     assert dry_run_main(["--model-config", "tiny", "--ep", "2", "--rank", "2", "--seq-length", "64"]) == 2
-    assert capsys.readouterr().err.strip() == "error: --rank 2 is outside the EP x ETP world of 2 ranks (0 .. 1)"
+    assert (
+        capsys.readouterr().err.strip() == "error: --rank 2 is outside the EP x ETP world of 2 ranks (0 .. 1)"
+    )
     assert dry_run_main(["--model-config", "tiny", "--seq-length", "0"]) == 2
     assert "--seq-length must be >= 1, got 0" in capsys.readouterr().err
 

@@ -138,7 +138,10 @@ def test_valid_split_holds_out_the_last_samples(tmp_path, chat):
     [
         (["--eval-interval", "5"], r"--eval-interval without --valid-data or --valid-split"),
         (["--eval-at-start"], r"--eval-at-start without --valid-data"),
-        (["--valid-data", "/nonexistent/valid.txt"], r"--valid-data '/nonexistent/valid.txt': neither a file nor an indexed dataset"),
+        (
+            ["--valid-data", "/nonexistent/valid.txt"],
+            r"--valid-data '/nonexistent/valid.txt': neither a file nor an indexed dataset",
+        ),
         (["--valid-data", CORPUS, "--eval-iters", "0"], r"--eval-iters must be >= 1"),
         (["--valid-split", "0.7"], r"--valid-split must be in \[0, 0.5\]"),
         (["--valid-split", "0.1", "--valid-data", CORPUS], r"--valid-split with --valid-data: give one"),
