@@ -6,6 +6,9 @@ the top K = topk / kpool of its visible complete pools by a random score, plus i
 
 1. correctness at `--check-tokens` (default 2048): the kernel (`attention_impl=triton`) vs the torch reference
    (`sparse`), fp32 and bf16, output / dq_lat / d_latent relative errors, and bitwise determinism of the backward;
+0. before measuring, the kernels' roofline model at 16k / 32k / 128k (and `--tokens`): FLOPs, bytes gathered and
+   buffered per query, arithmetic intensity, the H200 roofline time (`model`); each measurement is then shown as
+   a fraction of that time (`fwd_vs_roofline`, `bwd_vs_roofline`);
 2. per `--tokens` (default 16384 32768): forward and backward time of the kernel (CUDA events, median of 3), its
    achieved TFLOP/s (useful FLOPs: forward 4·L·W·H·R, backward 2.5× that), peak memory of forward + backward;
    beside it dense causal SDPA (flash, per-head q, k, v of 256 dims: dense attention's best case) on the same
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.measure import device_description, print_table, synchronize, write_results  # noqa: E402
+from glm53_ds.flops import device_peak_tflops  # noqa: E402
 
 
 def selection(length: int, topk: int, kpool: int, device: torch.device, seed: int = 0) -> torch.Tensor:
@@ -157,6 +161,9 @@ def speed(args: argparse.Namespace, device: torch.device, length: int) -> dict[s
     row: dict[str, Any] = dict(tokens=length, width=width, fwd_ms=fwd_s * 1e3, bwd_ms=bwd_s * 1e3,
                                fwd_tflops=flops_fwd / fwd_s / 1e12, bwd_tflops=2.5 * flops_fwd / bwd_s / 1e12,
                                peak_gib=None if peak is None else peak / 2**30)  # fmt: skip
+    peak_tflops = device_peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    if peak_tflops:
+        row.update(fwd_mfu=row["fwd_tflops"] / peak_tflops, bwd_mfu=row["bwd_tflops"] / peak_tflops)
     # dense causal attention at the same heads, per-head dims dq = dv (flash SDPA: dense attention's best case)
     qd, kd, vd = (
         torch.randn(1, args.heads, length, args.dq, device=device, dtype=dtype).requires_grad_(True)
@@ -173,6 +180,42 @@ def speed(args: argparse.Namespace, device: torch.device, length: int) -> dict[s
     row.update(dense_fwd_bwd_ms=dense_s * 1e3, speedup_vs_dense=dense_s / (fwd_s + bwd_s),
                dense_peak_gib=None if dense_peak is None else dense_peak / 2**30)  # fmt: skip
     return row
+
+
+H200_TFLOPS, H200_TBPS = 989.0, 4.8  # dense bf16 tensor-core peak, HBM3e bandwidth
+
+
+def model(length: int, heads: int, rank: int, width: int, dq: int) -> list[dict[str, Any]]:
+    """The kernels' roofline model per query and at `length` tokens (bf16 operands, fp32 buffers; every gathered
+    latent row counted as an HBM read, an upper bound where neighbouring queries' selections hit L2):
+    FLOPs, bytes gathered, buffered (written + read back) and otherwise moved, arithmetic intensity, and the H200
+    roofline time max(FLOPs / peak, bytes / bandwidth)."""
+    w_eff = (
+        (width * (width + 1) / 2 + max(0, length - width) * width) / length
+        if length > width
+        else (length + 1) / 2
+    )
+    gather = w_eff * rank * 2  # the selected latent rows, bf16
+    heads_io = heads * rank * 2  # one [h, R] bf16 tile (q, dO, out or dq)
+    g, ds = w_eff * rank * 4, heads * w_eff * 4  # the backward's fp32 buffers per query
+    product = 2 * heads * w_eff * rank  # one [h x W x R] matrix product
+    kernels = [
+        ("forward", 2 * product, gather, 0, 2 * heads_io),
+        ("bwd slot gradients (4 products)", 4 * product, gather, g + ds, 2 * heads_io),
+        ("bwd dq (1 product)", product, gather, ds, heads_io),
+        ("bwd segment sum", w_eff * rank, 0, g, 0),
+    ]
+    # dense causal flash SDPA at the same heads, per-head q, k, v of dq dims: forward 4 h (L/2) dq per query
+    dense = 4 * heads * (length / 2) * dq
+    kernels.append(("dense causal SDPA fwd+bwd", 3.5 * dense, 0, 0, 4 * heads * dq * 2))
+    rows = []
+    for name, flops, gathered, buffered, other in kernels:
+        moved = gathered + buffered + other
+        seconds = max(flops / (H200_TFLOPS * 1e12), moved / (H200_TBPS * 1e12)) * length
+        rows.append(dict(kernel=name, tokens=length, mflop_per_query=flops / 1e6, gathered_MB=gathered / 1e6,
+                         buffered_MB=buffered / 1e6, flop_per_byte=flops / moved if moved else float("inf"),
+                         roofline_ms=seconds * 1e3, roofline_tflops=flops * length / seconds / 1e12))  # fmt: skip
+    return rows
 
 
 def main() -> None:
@@ -192,14 +235,27 @@ def main() -> None:
         args.heads, args.rank, args.dq, args.topk, args.kpool = 4, 32, 16, 16, 4
         args.tokens, args.check_tokens = [256], 64
     device = torch.device(args.device)
+    width = args.topk + args.kpool - 1
+    predicted = [
+        r
+        for length in sorted({*args.tokens, 16384, 32768, 131072})
+        for r in model(length, args.heads, args.rank, width, args.dq)
+    ]
+    print("prediction (H200 roofline, before measuring):")
+    print_table(predicted, list(predicted[0]))
     correctness = check(args, device)
     print("correctness vs the torch reference:", correctness)
     rows = [speed(args, device, length) for length in args.tokens]
+    for row in rows:  # the measurement beside the model's roofline of the same kernels
+        by = {r["kernel"]: r for r in predicted if r["tokens"] == row["tokens"]}
+        row["fwd_vs_roofline"] = by["forward"]["roofline_ms"] / row["fwd_ms"]
+        bwd_model = sum(by[k]["roofline_ms"] for k in by if k.startswith("bwd"))
+        row["bwd_vs_roofline"] = bwd_model / row["bwd_ms"]
     print_table(rows, list(rows[0]))
     path = write_results(
         f"dsa_kernel_{device.type}",
         dict(device=device_description(device), heads=args.heads, rank=args.rank, topk=args.topk,
-             kpool=args.kpool, correctness=correctness, rows=rows),
+             kpool=args.kpool, correctness=correctness, rows=rows, prediction=predicted),
     )  # fmt: skip
     print(f"results: {path}")
     last = rows[-1]

@@ -17,7 +17,9 @@ Packed case (glm53_ds only): the same documents (seeded lengths between 1/16 and
 one packed row with `cu_seqlens` vs a right-padded batch with an attention mask; tokens/s and peak memory as
 ratios packed/padded.
 
-Host syncs and aten ops of one glm53_ds step (`HostSyncCounter`, an untimed extra step) go to each row and, per
+Model FLOPs (glm53_ds/flops.py, docs/numerics.md) per step are printed before each length is measured, with the time
+they take at the GPU's bf16 peak; each row gives TFLOP/s (and MFU on a known GPU). Host syncs and aten ops of one
+glm53_ds step (`HostSyncCounter`, an untimed extra step) go to each row and, per
 decoder layer / MTP depth / backward, to the JSON's summary.
 
 Last line: `model_step time_ratio_vs_hf=<ours/HF> mem_ratio_vs_hf=<ours/HF> packed_time_ratio_vs_padded=...
@@ -40,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import glm53_ds  # noqa: E402
 from benchmarks.measure import device_description, peak_extra_bytes, print_table, time_call, write_results  # noqa: E402
 from glm53_ds.config import Glm53Config  # noqa: E402
+from glm53_ds.flops import device_peak_tflops, step_flops  # noqa: E402
 from glm53_ds.hf_loader import load_hf_state_into  # noqa: E402
 from glm53_ds.host_syncs import HostSyncCounter  # noqa: E402
 from tests.model_fixtures import CONFIG_A, perturb_  # noqa: E402
@@ -144,7 +147,20 @@ def main() -> None:
 
     rows = []
     counts: dict[int, Any] = {}  # host syncs and aten ops per step, by scope (glm53_ds/host_syncs.py)
+    peak_tflops = device_peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     for seq in seqs:
+        # the FLOP model (glm53_ds/flops.py) of one step, printed before it is measured, with its time at the peak
+        model_flops = (
+            step_flops(Glm53Config.from_text_dict(text), seq, mtp=ours.mtp is not None).per_token
+            * args.batch
+            * seq
+        )
+        at_peak = (
+            f", {model_flops / (peak_tflops * 1e12) * 1e3:.2f} ms at the {peak_tflops:g} TFLOP/s peak"
+            if peak_tflops
+            else ""
+        )
+        print(f"prediction, seq {seq}: {model_flops / 1e12:.4g} TFLOP per fwd+bwd step{at_peak}")
         ids = torch.randint(1, text["vocab_size"], (args.batch, seq), device=device)
         if seq == seqs[0]:  # the two models compute the same loss (else the timing compares different work)
             with torch.no_grad():
@@ -163,7 +179,10 @@ def main() -> None:
             try:
                 seconds = time_call(step, device, warmup=1, repeats=args.repeats)
                 peak = peak_extra_bytes(step, list(model.parameters()))
-                row.update(step_s=seconds, tokens_per_s=args.batch * seq / seconds, peak_MiB=peak / 2**20)
+                row.update(step_s=seconds, tokens_per_s=args.batch * seq / seconds, peak_MiB=peak / 2**20,
+                           tflops=model_flops / seconds / 1e12)  # fmt: skip
+                if peak_tflops:
+                    row.update(mfu=row["tflops"] / peak_tflops)
             except torch.OutOfMemoryError:
                 row.update(error="out of memory")
             if name == "glm53_ds" and "step_s" in row:  # counted in a separate, untimed step
@@ -177,8 +196,8 @@ def main() -> None:
     print(f"packed vs padded ({packed['documents']} documents, {packed['tokens']} tokens, padded batch "
           f"{packed['padded_shape']}): time {packed['time_ratio']:.3f}, memory {packed['mem_ratio']:.3f}")  # fmt: skip
     print(f"device: {device_description(device)}")
-    print_table(rows, ["model", "seq", "batch", "dtype", "step_s", "tokens_per_s", "peak_MiB", "host_syncs",
-                       "aten_ops", "error"])  # fmt: skip
+    print_table(rows, ["model", "seq", "batch", "dtype", "step_s", "tokens_per_s", "tflops", "mfu", "peak_MiB",
+                       "host_syncs", "aten_ops", "error"])  # fmt: skip
     both = [s for s in seqs if all("step_s" in r for r in rows if r["seq"] == s)]
     summary: dict[str, Any] = dict(
         size=args.size, loss_rel_diff=loss_rel_diff, packed=packed, host_syncs=counts

@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.measure import cpu_and_wall, device_description, print_table, write_results  # noqa: E402
 from glm53_ds.config import Glm53Config  # noqa: E402
+from glm53_ds.flops import device_peak_tflops  # noqa: E402
 from glm53_ds.host_syncs import HostSyncCounter  # noqa: E402
 from glm53_ds.layers.moe import Glm53MoE, GroupedExperts  # noqa: E402
 from glm53_ds.transformer_config import make_transformer_config  # noqa: E402
@@ -86,8 +87,11 @@ def measure(size: dict[str, Any], experts: int, device: torch.device, repeats: i
     key = "wall_s" if device.type == "cuda" else "cpu_s"
     row["speedup"] = row[f"loop_{key}"] / row[f"grouped_{key}"]
     flops = 3 * 6 * tokens * k * hidden * inner  # forward 6 T k D I, backward twice that
+    peak = device_peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     for impl in ("loop", "grouped"):
         row[f"{impl}_tflops"] = flops / row[f"{impl}_{key}"] / 1e12
+        if peak:
+            row[f"{impl}_mfu"] = row[f"{impl}_tflops"] / peak
     return row
 
 

@@ -219,3 +219,13 @@ def save_lora_native(root, spec, value: float = 0.1) -> pathlib.Path:
     torch.save({"step": 3, "consumed_samples": 12}, str(model_dir / CLIENT_STATE))
     write_manifest(str(tag), describe_files(str(tag), list_files(str(tag))))
     return tag
+
+
+def restamp(tag_dir, *names: str) -> None:
+    """Rewrite the manifest entries of `names` (relative to the tag) after a test edited those files in place: a
+    checkpoint whose files are whole again, holding the edit (an older checkpoint, say)."""
+    from glm53_ds.safe_io import describe_files, read_manifest, write_manifest
+
+    manifest = read_manifest(str(tag_dir))
+    manifest.update(describe_files(str(tag_dir), list(names)))
+    write_manifest(str(tag_dir), manifest)

@@ -13,6 +13,10 @@ rounding); the output is cast back to the input dtype.
 
 from __future__ import annotations
 
+import functools
+import inspect
+from typing import Any
+
 import torch
 
 from .. import backends
@@ -90,6 +94,16 @@ def chunk_kda_torch(
     return o.transpose(1, 2).contiguous().to(out_dtype)
 
 
+@functools.cache
+def _takes_cu_seqlens_cpu(chunk_kda: Any) -> bool:
+    """Whether this fla-core's `chunk_kda` takes `cu_seqlens_cpu` (fla PR #775: the chunk indices of packed
+    documents built from host boundaries, without reading `cu_seqlens` back from the GPU)."""
+    try:
+        return "cu_seqlens_cpu" in inspect.signature(chunk_kda).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def kda_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -107,8 +121,13 @@ def kda_attention(
     if backends.resolve(backends.KDA, backend, q.device) == "fla":
         from fla.ops.kda import chunk_kda
 
-        cu = None if documents is None else documents.cu_seqlens.to(device=q.device, dtype=torch.long)
-        out, _ = chunk_kda(q=q, k=k, v=v, g=g.float(), beta=beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+        varlen: dict[str, torch.Tensor] = {}
+        if documents is not None:
+            varlen["cu_seqlens"] = documents.cu_seqlens.to(device=q.device, dtype=torch.long)
+            # the boundaries the host knows: fla builds its chunk indices without reading them back
+            if _takes_cu_seqlens_cpu(chunk_kda):
+                varlen["cu_seqlens_cpu"] = torch.tensor([0] + [e for _, e in documents.bounds])
+        out, _ = chunk_kda(q=q, k=k, v=v, g=g.float(), beta=beta, use_qk_l2norm_in_kernel=True, **varlen)
         return out.to(q.dtype)
     if documents is None:
         return chunk_kda_torch(q, k, v, g, beta)

@@ -2,39 +2,50 @@
 
     q_lat [b, L, h, R], latent [b, L, R], tokens [b, L, W] int32 (-1 = empty) -> o_lat [b, L, h, R]
 
-Forward (`_fwd_kernel`): one program per (query, block of heads). It walks the query's W slots in blocks, gathers
-the selected latent rows [BLOCK_W, R] once for all its heads, and runs an online softmax: s = q_lat c^T (a
-[heads x R] x [R x BLOCK_W] dot), acc = sum p c. It writes o_lat and the log-sum-exp per head; nothing of size
+Shaped like FlashMLA's sparse prefill: a query's heads are the rows of its matrix products. One program per query
+holds all of the rank's heads (up to 64: a [64 x R] tile, the M of one Hopper warpgroup MMA, so wgmma on sm_90),
+gathers each selected latent row once for all of them (not once per block of heads), and walks the W slots in
+blocks of `BLOCK_W`. Fewer heads (sequence parallelism leaves 32, 16 or 8 per rank) make a smaller tile (at least
+16 rows: Ampere-style MMAs where the tile is under 64 rows, the same one gather per query).
+
+Forward (`_fwd_kernel`): an online softmax in base 2 (the scale pre-multiplied by log2(e), `exp2`): s = q_lat c^T
+[heads x BLOCK_W], acc = acc * alpha + p c; o_lat and the natural-log LSE per head written once. Nothing of size
 [L, W] or [L, L] touches memory. A query with no valid slot writes 0 and lse = -inf (the wrapper's blind-row rule
 replaces such rows).
 
-Backward, deterministic (no floating-point atomics anywhere):
-  - `_bwd_dq_kernel`, one program per (query, block of heads): recomputes p from the lse, dp = dO c^T,
-    ds = p (dp - delta) with delta = sum_r dO o, and dq_lat = scaling · ds c.
-  - `_bwd_slots_kernel`, one program per (query, block of slots), all heads in a loop: each slot's latent gradient
-    g = scaling · ds^T q_lat + p^T dO, written to a buffer [rows, W, R] for a chunk of queries.
-  - `_segment_sum_kernel`, one program per (key token, block of R): the chunk's slots sorted by the token they read
-    (a stable sort, the inverse token -> slots map) and summed in that fixed order into d_latent.
-  The buffer is filled chunk by chunk of query rows (`SLOT_GRAD_BYTES`), so memory stays bounded at any length.
+Backward, deterministic (no floating-point atomics) and linear in L:
+  - `_bwd_kernel`, one program per query, all heads: per block of slots five matrix products, s = q c^T,
+    dp = dO c^T, dq += ds c, and the slots' latent gradients g = ds^T q + p^T dO ([BLOCK_W, R] fp32, written to a
+    buffer [rows, W, R] for a chunk of queries), with p recomputed from the LSE and ds = p (dp - delta).
+  - per chunk: the chunk's slot references (int32 keys, the chunk's own [rows, W]) sorted stably by the key token
+    they read, and `_segment_sum_kernel`, one program per block of `BLOCK_E` sorted references, adds each run of
+    one key that starts in its block, in that order, `BLOCK_F` rows at a time, into d_latent. The programs a chunk
+    launches are bounded by its references (rows x W), never by L: the whole backward launches O(L W) programs and
+    sorts O(L W) keys, with no [L, W] int64 tensor.
+  The chunk (`SLOT_GRAD_BYTES` of fp32 slot gradients) keeps the buffer bounded at any length.
 
 bf16 or fp32 operands, fp32 accumulation (fp32 dots in IEEE precision, not TF32). R and h need not be powers of 2
-(masked); R up to 512 (the released kv_lora_rank). Triton's CPU interpreter (TRITON_INTERPRET=1) computes bf16
-dots wrongly (triton 3.9), so there the operands are upcast to fp32 first: the same products (bf16 x bf16 is exact
-in fp32), the same fp32 accumulation.
+(masked); R up to 512 (the released kv_lora_rank), h up to 64 per program (more: several head blocks forward; the
+backward refuses them, naming the limit). Triton's CPU interpreter (TRITON_INTERPRET=1) computes bf16 dots wrongly
+(triton 3.9), so there the operands are upcast to fp32 first: the same products (bf16 x bf16 is exact in fp32), the
+same fp32 accumulation.
 
 This module is imported lazily: `triton.jit` decides at decoration time whether to use Triton's interpreter.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from .. import backends
+from .dsa_workspace import SLOT_GRAD_BYTES, chunk_rows
 
-# The per-slot latent gradients of one chunk of query rows stay under this many bytes (fp32 [rows, W, R]).
-SLOT_GRAD_BYTES = 1 << 30
+MAX_HEADS = 64  # heads per program: the backward holds all of a query's heads in one tile
+LOG2E = math.log2(math.e)
 
 
 @triton.jit
@@ -60,7 +71,7 @@ def _load_slots(t_ptr, c_ptr, bi, i, offs_w, W, offs_r, mask_r, s_tb, s_tl, s_tw
 @triton.jit
 def _fwd_kernel(
     q_ptr, c_ptr, t_ptr, o_ptr, lse_ptr,
-    L, W, H, R, scaling,
+    L, W, H, R, scale_log2,
     s_qb, s_ql, s_qh, s_qr,
     s_cb, s_cl, s_cr,
     s_tb, s_tl, s_tw,
@@ -78,20 +89,20 @@ def _fwd_kernel(
         q_ptr + bi * s_qb + i * s_ql + offs_h[:, None] * s_qh + offs_r[None, :] * s_qr, mask=q_mask, other=0.0
     )
 
-    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max, base 2
     denom = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
     for w0 in range(0, W, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
         valid, c = _load_slots(
             t_ptr, c_ptr, bi, i, offs_w, W, offs_r, mask_r, s_tb, s_tl, s_tw, s_cb, s_cl, s_cr
-        )  # [BLOCK_W], [BLOCK_W, BLOCK_R]
-        s = _dot(q, tl.trans(c), UPCAST, PRECISION) * scaling  # [BLOCK_H, BLOCK_W]
+        )  # [BLOCK_W], [BLOCK_W, BLOCK_R]: gathered once for every head
+        s = _dot(q, tl.trans(c), UPCAST, PRECISION) * scale_log2  # [BLOCK_H, BLOCK_W], log2 units
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         denom = denom * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(c.dtype), c, UPCAST, PRECISION)
         m = m_new
@@ -101,118 +112,150 @@ def _fwd_kernel(
         o_ptr + bi * s_ob + i * s_ol + offs_h[:, None] * s_oh + offs_r[None, :] * s_or,
         out.to(o_ptr.dtype.element_ty), mask=q_mask,
     )  # fmt: skip
-    lse = tl.where(seen, m + tl.log(tl.where(seen, denom, 1.0)), float("-inf"))
+    ln2: tl.constexpr = 0.6931471805599453
+    lse = tl.where(seen, (m + tl.log2(tl.where(seen, denom, 1.0))) * ln2, float("-inf"))
     tl.store(lse_ptr + row * H + offs_h, lse, mask=mask_h)
 
 
 @triton.jit
-def _bwd_dq_kernel(
-    q_ptr, c_ptr, t_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
-    L, W, H, R, scaling,
+def _bwd_slots_kernel(
+    q_ptr, c_ptr, t_ptr, do_ptr, lse_ptr, delta_ptr, g_ptr, ds_ptr,
+    row0, L, W, H, R, scaling,
     s_qb, s_ql, s_qh, s_qr,
+    s_cb, s_cl, s_cr,
+    s_tb, s_tl, s_tw,
+    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, SUB_R: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Query row0 + program 0, slots program 1 (a block of BLOCK_W): four matrix products, each over SUB_R columns
+    of the latent at a time (small tiles: the [BLOCK_W x R] gather never sits whole in shared memory):
+    s = q c^T and dp = dO c^T [heads x slots], then ds = scaling p (dp - delta) and the slots' latent gradients
+    g = ds^T q + p^T dO [slots x R] (fp32, the chunk's buffer [rows, W, R]); ds [heads x slots] fp32 to the
+    chunk's buffer [rows, H, W] for dq. dO contiguous [b, L, H, R]; lse, delta [b, L, H]."""
+    local = tl.program_id(0).to(tl.int64)
+    row = row0 + local
+    bi, i = row // L, row % L
+    offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_s = tl.arange(0, SUB_R)
+    mask_h, mask_w = offs_h < H, offs_w < W
+    tok = tl.load(t_ptr + bi * s_tb + i * s_tl + offs_w * s_tw, mask=mask_w, other=-1).to(tl.int64)
+    valid = tok >= 0
+    s = tl.zeros([BLOCK_H, BLOCK_W], dtype=tl.float32)
+    dp = tl.zeros([BLOCK_H, BLOCK_W], dtype=tl.float32)
+    for r0 in range(0, BLOCK_R, SUB_R):
+        offs_r = r0 + offs_s
+        mask_r = offs_r < R
+        c = tl.load(c_ptr + bi * s_cb + tok[:, None] * s_cl + offs_r[None, :] * s_cr,
+                    mask=valid[:, None] & mask_r[None, :], other=0.0)  # fmt: skip
+        q = tl.load(q_ptr + bi * s_qb + i * s_ql + offs_h[:, None] * s_qh + offs_r[None, :] * s_qr,
+                    mask=mask_h[:, None] & mask_r[None, :], other=0.0)  # fmt: skip
+        do = tl.load(do_ptr + row * H * R + offs_h[:, None] * R + offs_r[None, :],
+                     mask=mask_h[:, None] & mask_r[None, :], other=0.0)  # fmt: skip
+        s += _dot(q, tl.trans(c), UPCAST, PRECISION)  # 1
+        dp += _dot(do, tl.trans(c), UPCAST, PRECISION)  # 2
+    lse = tl.load(lse_ptr + row * H + offs_h, mask=mask_h, other=float("-inf"))
+    delta = tl.load(delta_ptr + row * H + offs_h, mask=mask_h, other=0.0)
+    lse_safe = tl.where(lse == float("-inf"), float("inf"), lse)  # rows without slots: p = 0
+    p = tl.where(valid[None, :], tl.exp(s * scaling - lse_safe[:, None]), 0.0)  # [BLOCK_H, BLOCK_W]
+    ds = p * (dp - delta[:, None]) * scaling
+    tl.store(ds_ptr + local * H * W + offs_h[:, None] * W + offs_w[None, :], ds,
+             mask=mask_h[:, None] & mask_w[None, :])  # fmt: skip
+    for r0 in range(0, BLOCK_R, SUB_R):
+        offs_r = r0 + offs_s
+        mask_r = offs_r < R
+        q = tl.load(q_ptr + bi * s_qb + i * s_ql + offs_h[:, None] * s_qh + offs_r[None, :] * s_qr,
+                    mask=mask_h[:, None] & mask_r[None, :], other=0.0)  # fmt: skip
+        do = tl.load(do_ptr + row * H * R + offs_h[:, None] * R + offs_r[None, :],
+                     mask=mask_h[:, None] & mask_r[None, :], other=0.0)  # fmt: skip
+        g = _dot(tl.trans(ds).to(q.dtype), q, UPCAST, PRECISION)  # 3
+        g += _dot(tl.trans(p).to(do.dtype), do, UPCAST, PRECISION)  # 4
+        tl.store(g_ptr + local * W * R + offs_w[:, None] * R + offs_r[None, :], g,
+                 mask=mask_w[:, None] & mask_r[None, :])  # fmt: skip
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    c_ptr, t_ptr, ds_ptr, dq_ptr,
+    row0, L, W, H, R,
     s_cb, s_cl, s_cr,
     s_tb, s_tl, s_tw,
     BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """dO, dq are contiguous [b, L, H, R]; lse, delta contiguous [b, L, H]."""
-    row = tl.program_id(0).to(tl.int64)
+    """Query row0 + program 0, heads program 1: dq [H, R] = ds c over its slots (the fifth product), the query's
+    heads in one tile (bf16: all of them, each latent row gathered once). dq contiguous [b, L, H, R]; ds the
+    chunk's [rows, H, W] fp32."""
+    local = tl.program_id(0).to(tl.int64)
+    row = row0 + local
     bi, i = row // L, row % L
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_r = tl.arange(0, BLOCK_R)
     mask_h, mask_r = offs_h < H, offs_r < R
-    q_mask = mask_h[:, None] & mask_r[None, :]
-    q = tl.load(
-        q_ptr + bi * s_qb + i * s_ql + offs_h[:, None] * s_qh + offs_r[None, :] * s_qr, mask=q_mask, other=0.0
-    )
-    dense = row * H * R + offs_h[:, None] * R + offs_r[None, :]
-    do = tl.load(do_ptr + dense, mask=q_mask, other=0.0)
-    lse = tl.load(lse_ptr + row * H + offs_h, mask=mask_h, other=float("-inf"))
-    delta = tl.load(delta_ptr + row * H + offs_h, mask=mask_h, other=0.0)
-    lse_safe = tl.where(lse == float("-inf"), float("inf"), lse)  # rows without slots: p = 0
-
     dq = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
     for w0 in range(0, W, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
         valid, c = _load_slots(
             t_ptr, c_ptr, bi, i, offs_w, W, offs_r, mask_r, s_tb, s_tl, s_tw, s_cb, s_cl, s_cr
         )  # [BLOCK_W], [BLOCK_W, BLOCK_R]
-        s = _dot(q, tl.trans(c), UPCAST, PRECISION) * scaling
-        p = tl.where(valid[None, :], tl.exp(s - lse_safe[:, None]), 0.0)  # [BLOCK_H, BLOCK_W]
-        dp = _dot(do, tl.trans(c), UPCAST, PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(c.dtype), c, UPCAST, PRECISION)
-    tl.store(dq_ptr + dense, (dq * scaling).to(dq_ptr.dtype.element_ty), mask=q_mask)
-
-
-@triton.jit
-def _bwd_slots_kernel(
-    q_ptr, c_ptr, t_ptr, do_ptr, lse_ptr, delta_ptr, g_ptr,
-    row0, L, W, H, R, scaling,
-    s_qb, s_ql, s_qh, s_qr,
-    s_cb, s_cl, s_cr,
-    s_tb, s_tl, s_tw,
-    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """g [rows, W, R] fp32: the latent gradient each slot of query rows row0 ... row0 + rows - 1 sends."""
-    local = tl.program_id(0).to(tl.int64)
-    row = row0 + local
-    bi, i = row // L, row % L
-    offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_w, mask_r = offs_w < W, offs_r < R
-    valid, c = _load_slots(
-        t_ptr, c_ptr, bi, i, offs_w, W, offs_r, mask_r, s_tb, s_tl, s_tw, s_cb, s_cl, s_cr
-    )  # [BLOCK_W], [BLOCK_W, BLOCK_R]
-    g = tl.zeros([BLOCK_W, BLOCK_R], dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        mask_h = offs_h < H
-        q_mask = mask_h[:, None] & mask_r[None, :]
-        q = tl.load(
-            q_ptr + bi * s_qb + i * s_ql + offs_h[:, None] * s_qh + offs_r[None, :] * s_qr,
-            mask=q_mask,
-            other=0.0,
-        )
-        do = tl.load(do_ptr + row * H * R + offs_h[:, None] * R + offs_r[None, :], mask=q_mask, other=0.0)
-        lse = tl.load(lse_ptr + row * H + offs_h, mask=mask_h, other=float("-inf"))
-        delta = tl.load(delta_ptr + row * H + offs_h, mask=mask_h, other=0.0)
-        lse_safe = tl.where(lse == float("-inf"), float("inf"), lse)
-        s = _dot(q, tl.trans(c), UPCAST, PRECISION) * scaling
-        p = tl.where(valid[None, :], tl.exp(s - lse_safe[:, None]), 0.0)  # [BLOCK_H, BLOCK_W]
-        dp = _dot(do, tl.trans(c), UPCAST, PRECISION)
-        ds = p * (dp - delta[:, None]) * scaling
-        g += _dot(tl.trans(ds).to(q.dtype), q, UPCAST, PRECISION)
-        g += _dot(tl.trans(p).to(do.dtype), do, UPCAST, PRECISION)
-    ptrs = g_ptr + local * W * R + offs_w[:, None] * R + offs_r[None, :]
-    tl.store(ptrs, g, mask=mask_w[:, None] & mask_r[None, :])
+        ds = tl.load(ds_ptr + local * H * W + offs_h[:, None] * W + offs_w[None, :],
+                     mask=mask_h[:, None] & (offs_w < W)[None, :], other=0.0)  # fmt: skip
+        dq += _dot(ds.to(c.dtype), c, UPCAST, PRECISION)  # 5
+    tl.store(dq_ptr + row * H * R + offs_h[:, None] * R + offs_r[None, :], dq.to(dq_ptr.dtype.element_ty),
+             mask=mask_h[:, None] & mask_r[None, :])  # fmt: skip
 
 
 @triton.jit
 def _segment_sum_kernel(
-    g_ptr, order_ptr, starts_ptr, dc_ptr, R,
-    BLOCK_R: tl.constexpr,
+    g_ptr, keys_ptr, order_ptr, dc_ptr, n, R, empty,
+    BLOCK_E: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
-    """dc [b * L, R] fp32 += the slot gradients of each key token, in the sorted order (deterministic)."""
-    key = tl.program_id(0).to(tl.int64)
+    """dc [b * L, R] fp32 += the slot gradients of each key whose run (in the sorted references keys / order of
+    one chunk) starts in this program's block of BLOCK_E positions, summed in the sorted order, BLOCK_F rows at a
+    time (a fixed reduction tree: deterministic). `empty`: the key of an empty slot, summed nowhere."""
+    block = tl.program_id(0).to(tl.int64)
+    e0 = block * BLOCK_E
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
-    start = tl.load(starts_ptr + key)
-    end = tl.load(starts_ptr + key + 1)
-    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for e in range(start, end):
-        slot = tl.load(order_ptr + e)
-        acc += tl.load(g_ptr + slot * R + offs_r, mask=mask_r, other=0.0)
-    ptrs = dc_ptr + key * R + offs_r
-    tl.store(ptrs, tl.load(ptrs, mask=mask_r, other=0.0) + acc, mask=mask_r)
+    offs_f = tl.arange(0, BLOCK_F)
+    for e in range(e0, tl.minimum(e0 + BLOCK_E, n)):
+        key = tl.load(keys_ptr + e)
+        previous = tl.load(keys_ptr + e - 1, mask=e > 0, other=-1)
+        if (key != previous) & (key != empty):  # a run starts here: it is this program's
+            acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+            f = e
+            more = True
+            while more:
+                at = f + offs_f
+                in_run = (at < n) & (tl.load(keys_ptr + at, mask=at < n, other=-1) == key)
+                slots = tl.load(order_ptr + at, mask=in_run, other=0)
+                rows = tl.load(g_ptr + slots[:, None] * R + offs_r[None, :], mask=in_run[:, None] & mask_r[None, :],
+                               other=0.0)  # fmt: skip
+                acc += tl.sum(rows, 0)
+                f += BLOCK_F
+                more = tl.sum(in_run.to(tl.int32), 0) == BLOCK_F
+            ptrs = dc_ptr + key.to(tl.int64) * R + offs_r
+            tl.store(ptrs, tl.load(ptrs, mask=mask_r, other=0.0) + acc, mask=mask_r)
 
 
-def _blocks(heads: int, rank: int) -> tuple[int, int, int]:
-    """(BLOCK_H, BLOCK_W, BLOCK_R): dots want every side >= 16; the [BLOCK_H, R] accumulator bounds BLOCK_H."""
+def _blocks(heads: int, rank: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_W, BLOCK_R, warps) of the forward and dq kernels. bf16 / fp16: all of a query's heads in one
+    tile (at least 16 rows for the MMA, at most 64), the latent whole, slot blocks as large as the [BLOCK_H, R]
+    accumulators leave registers for. fp32 (IEEE dots on CUDA cores, no tensor-core path to shape for): 16-head
+    tiles, which compile without spills."""
     block_r = max(16, triton.next_power_of_2(rank))
-    block_h = max(16, min(triton.next_power_of_2(heads), 64 if block_r <= 128 else 16))
-    return block_h, 32 if block_r <= 256 else 16, block_r
+    if dtype == torch.float32:
+        return 16, 16, block_r, 4
+    block_h = min(MAX_HEADS, max(16, triton.next_power_of_2(heads)))
+    warps = 8 if block_h * block_r >= 64 * 256 else 4
+    return block_h, 16 if block_r >= 512 else 32, block_r, warps
+
+
+def _slot_blocks(rank: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_W, SUB_R) of the slot-gradient kernel (all heads in one tile: a slot's gradient sums over them): 64
+    slots (the M of its latent-gradient products: wgmma), the latent in sub-blocks of up to 128 columns (32 in
+    fp32)."""
+    return 64, min(32 if dtype == torch.float32 else 128, max(16, triton.next_power_of_2(rank)))
 
 
 def _modes(dtype: torch.dtype) -> tuple[bool, str]:
@@ -229,10 +272,10 @@ def _strides(t: torch.Tensor) -> tuple[int, ...]:
 def sparse_forward(
     q_lat: torch.Tensor, latent: torch.Tensor, tokens: torch.Tensor, scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """o_lat [b, L, h, R] (q_lat's dtype) and lse [b, L, h] fp32."""
+    """o_lat [b, L, h, R] (q_lat's dtype) and lse [b, L, h] fp32 (natural log)."""
     b, length, heads, rank = q_lat.shape
     width = tokens.shape[-1]
-    block_h, block_w, block_r = _blocks(heads, rank)
+    block_h, block_w, block_r, warps = _blocks(heads, rank, q_lat.dtype)
     upcast, precision = _modes(q_lat.dtype)
     out = torch.empty_like(q_lat)
     lse = torch.empty(b, length, heads, dtype=torch.float32, device=q_lat.device)
@@ -240,11 +283,14 @@ def sparse_forward(
         return out, lse
     grid = (b * length, triton.cdiv(heads, block_h))
     _fwd_kernel[grid](
-        q_lat, latent, tokens, out, lse, length, width, heads, rank, scaling,
+        q_lat, latent, tokens, out, lse, length, width, heads, rank, scaling * LOG2E,
         *_strides(q_lat), *_strides(latent), *_strides(tokens), *_strides(out),
-        BLOCK_H=block_h, BLOCK_W=block_w, BLOCK_R=block_r, UPCAST=upcast, PRECISION=precision,
+        BLOCK_H=block_h, BLOCK_W=block_w, BLOCK_R=block_r, UPCAST=upcast, PRECISION=precision, num_warps=warps,
     )  # fmt: skip
     return out, lse
+
+
+SEGMENT_BLOCK_E, SEGMENT_BLOCK_F = 256, 16
 
 
 def sparse_backward(
@@ -260,7 +306,11 @@ def sparse_backward(
     """(dq_lat [b, L, h, R], d_latent [b, L, R]), deterministic."""
     b, length, heads, rank = q_lat.shape
     width = tokens.shape[-1]
-    block_h, block_w, block_r = _blocks(heads, rank)
+    if heads > MAX_HEADS:
+        raise ValueError(f"sparse attention kernel backward: {heads} heads per rank; at most {MAX_HEADS} (use "
+                         "sequence parallelism, or attention_impl='sparse')")  # fmt: skip
+    block_h, block_w, block_r, warps = _blocks(heads, rank, q_lat.dtype)
+    all_heads = min(MAX_HEADS, max(16, triton.next_power_of_2(heads)))  # the slot kernel's tile: every head
     upcast, precision = _modes(q_lat.dtype)
     grad_out = grad_out.contiguous()
     delta = (grad_out.float() * out.float()).sum(-1).contiguous()  # [b, L, h]
@@ -269,31 +319,35 @@ def sparse_backward(
     n_rows = b * length
     if n_rows == 0 or width == 0:
         return dq.zero_(), d_latent.view(b, length, rank).to(latent.dtype)
-    common = (length, width, heads, rank, scaling, *_strides(q_lat), *_strides(latent), *_strides(tokens))
-    meta = dict(BLOCK_H=block_h, BLOCK_W=block_w, BLOCK_R=block_r, UPCAST=upcast, PRECISION=precision)
-    _bwd_dq_kernel[(n_rows, triton.cdiv(heads, block_h))](
-        q_lat, latent, tokens, grad_out, lse, delta, dq, *common, **meta
-    )
-
-    # the flat key each slot reads (b * L for an empty slot: sorted last, summed nowhere)
-    batch_offset = (torch.arange(b, device=tokens.device) * length)[:, None, None]
-    keys = torch.where(tokens >= 0, tokens.long() + batch_offset, n_rows).reshape(n_rows, width)
-    chunk = max(1, slot_grad_bytes // max(1, width * rank * 4))
-    key_index = torch.arange(n_rows + 1, device=tokens.device)
-    seg_block = min(block_r, 128)
+    strides = (*_strides(latent), *_strides(tokens))
+    slot_w, sub_r = _slot_blocks(rank, q_lat.dtype)
+    chunk = chunk_rows(width, rank, heads, slot_grad_bytes)
+    seg_r = min(block_r, 128)
+    empty = n_rows  # the key of an empty slot: sorted last, summed nowhere
+    flat = tokens.reshape(n_rows, width)
     for row0 in range(0, n_rows, chunk):
         rows = min(chunk, n_rows - row0)
         g = torch.empty(rows, width, rank, dtype=torch.float32, device=latent.device)
-        _bwd_slots_kernel[(rows, triton.cdiv(width, block_w))](
-            q_lat, latent, tokens, grad_out, lse, delta, g, row0, *common, **meta
-        )
-        sorted_keys, order = torch.sort(keys[row0 : row0 + rows].flatten(), stable=True)
-        starts = torch.searchsorted(
-            sorted_keys, key_index
-        )  # [n_rows + 1]: each key's run in the sorted order
-        _segment_sum_kernel[(n_rows, triton.cdiv(rank, seg_block))](
-            g, order, starts, d_latent, rank, BLOCK_R=seg_block
-        )
+        ds = torch.empty(rows, heads, width, dtype=torch.float32, device=latent.device)
+        _bwd_slots_kernel[(rows, triton.cdiv(width, slot_w))](
+            q_lat, latent, tokens, grad_out, lse, delta, g, ds, row0, length, width, heads, rank, scaling,
+            *_strides(q_lat), *strides, BLOCK_H=all_heads, BLOCK_W=slot_w, BLOCK_R=block_r, SUB_R=sub_r,
+            UPCAST=upcast, PRECISION=precision, num_warps=8,
+        )  # fmt: skip
+        _bwd_dq_kernel[(rows, triton.cdiv(heads, block_h))](
+            latent, tokens, ds, dq, row0, length, width, heads, rank, *strides,
+            BLOCK_H=block_h, BLOCK_W=block_w, BLOCK_R=block_r, UPCAST=upcast, PRECISION=precision, num_warps=warps,
+        )  # fmt: skip
+        # the chunk's references by the key token they read: int32, this chunk's rows only
+        first = torch.arange(row0, row0 + rows, device=tokens.device, dtype=torch.int32) // length * length
+        part = flat[row0 : row0 + rows]
+        keys = torch.where(part >= 0, part + first[:, None], empty).flatten()
+        sorted_keys, order = torch.sort(keys, stable=True)
+        n = rows * width
+        _segment_sum_kernel[(triton.cdiv(n, SEGMENT_BLOCK_E), triton.cdiv(rank, seg_r))](
+            g, sorted_keys, order, d_latent, n, rank, empty,
+            BLOCK_E=SEGMENT_BLOCK_E, BLOCK_F=SEGMENT_BLOCK_F, BLOCK_R=seg_r,
+        )  # fmt: skip
     return dq, d_latent.view(b, length, rank).to(latent.dtype)
 
 

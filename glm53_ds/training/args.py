@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--output-dir", help="metrics.jsonl and loss.png (default: runs/<model>)")
     c.add_argument("--check-replicas-interval", type=int, help="also before every save")
     c.add_argument("--log-interval", type=int)
+    c.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak in TFLOP/s, for the MFU the log shows "
+                   "(default: 989 on H100 / H200, 312 on A100, ...: by the GPU's name; none on CPU)")  # fmt: skip
     c.add_argument("--tensorboard-dir")
     c.add_argument("--wandb-project", help="also log the metrics to Weights & Biases (rank 0; pip install "
                    "\"glm53_ds[wandb]\")")  # fmt: skip

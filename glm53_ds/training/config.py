@@ -123,6 +123,7 @@ class TrainConfig:
     output_dir: str = os.path.join("runs", "tiny")
     check_replicas_interval: int = 0
     log_interval: int = 10
+    peak_tflops: float | None = None  # the GPU's bf16 peak for MFU (default: known by the GPU's name)
     tensorboard_dir: str | None = None
     wandb_project: str | None = None  # also log to Weights & Biases (rank 0; the optional wandb extra)
     wandb_mode: str = "online"  # or "offline": no network, under --output-dir (wandb sync uploads it)
@@ -195,6 +196,8 @@ class TrainConfig:
             if not math.isfinite(value) or value < 0:
                 raise SetupError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
         positive("eval_iters", self.eval_iters)
+        if self.peak_tflops is not None and not (math.isfinite(self.peak_tflops) and self.peak_tflops > 0):
+            raise SetupError(f"--peak-tflops must be a finite number > 0, got {self.peak_tflops}")
         if not (math.isfinite(self.valid_split) and 0.0 <= self.valid_split <= 0.5):
             raise SetupError(f"--valid-split must be in [0, 0.5] (the fraction of --data held out), got "
                              f"{self.valid_split}")  # fmt: skip

@@ -34,8 +34,20 @@ class StepMetrics:
     mtp_loss: float | None = None
     indexer_loss: float | None = None
     update_skipped: bool | None = None  # True: a global batch without target tokens, nothing applied
+    tokens_per_s_per_gpu: float | None = None  # tokens_per_s / ranks
+    tflops_per_gpu: float | None = None  # the FLOP model's (glm53_ds/flops.py) model FLOP/s per rank
+    mfu: float | None = None  # tflops_per_gpu / the GPU's bf16 peak (known GPUs, or --peak-tflops)
 
-    OPTIONAL = ("packing_efficiency", "mtp_loss", "indexer_loss", "update_skipped")  # left out when None
+    OPTIONAL = (
+        "packing_efficiency",
+        "mtp_loss",
+        "indexer_loss",
+        "update_skipped",
+        "tokens_per_s_per_gpu",
+        "tflops_per_gpu",
+        "mfu",
+    )
+    TIMING = ("tokens_per_s", "step_time", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu")  # vary run to run
 
     def as_record(self) -> dict[str, Any]:
         """The metrics.jsonl record: every field, the optional ones only when the run has them."""

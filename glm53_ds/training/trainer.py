@@ -42,6 +42,7 @@ from ..engine import (
     read_client_state,
     save_checkpoint,
 )
+from ..flops import StepFlops, device_peak_tflops, step_flops
 from ..hf_loader import SafetensorsCheckpoint, checkpoint_has_mtp, load_hf_state_into
 from ..layers.lora import LoraSpec, is_lora_param
 from ..layers.lora_targets import apply_lora
@@ -243,6 +244,8 @@ class Trainer:
         self.save_lock: DirectoryLock | None = None
         self.running_step: int | None = None  # the step running (0-based), for a stop's message
         self._skipped_updates = 0  # steps whose global batch held no target tokens
+        self.flops: StepFlops | None = None  # the FLOP model of a step (set in setup)
+        self.peak_tflops: float | None = None  # the GPU's bf16 peak: --peak-tflops, or known by its name
 
     def close(self) -> None:
         """Release what the run holds (the --save lock); every exit path."""
@@ -335,6 +338,13 @@ class Trainer:
 
         self.layout = init_layout(c.ep, c.etp, cfg, sp=c.sp)
         model = agreed(self._build_model)  # a damaged --hf-dir file found by one rank is said once, naming it
+        self.flops = step_flops(
+            cfg, c.seq_length, mtp=model.mtp is not None, base_trained=c.lora_spec() is None
+        )
+        on_gpu = torch.cuda.is_available()
+        self.peak_tflops = c.peak_tflops or (
+            device_peak_tflops(torch.cuda.get_device_name()) if on_gpu else None
+        )
         self._engine = build_engine(model, self.plan.ds_config, optimizer=self._adamw, layout=self.layout,
                                    no_decay_pattern=c.no_decay_pattern)  # fmt: skip
         if self.rank == 0:
@@ -634,6 +644,8 @@ class Trainer:
         step_time = time.perf_counter() - started
         norm = engine.get_global_grad_norm()
         tokens = plan.samples_per_step(c.micro_batch_size) * c.seq_length
+        assert self.flops is not None
+        tflops = self.flops.tflops(tokens / step_time) / self.world  # per GPU (an SP group shares its rows)
         return StepMetrics(
             step=step + 1, consumed_samples=self.consumed, loss=reduced.loss, lm_loss=reduced.lm_loss, lr=lr,
             grad_norm=None if norm is None or skipped else float(norm), tokens_per_s=tokens / step_time, step_time=step_time,
@@ -641,7 +653,9 @@ class Trainer:
             packing_efficiency=reduced.real_tokens / tokens if isinstance(self.stream, PackedRowStream) else None,
             mtp_loss=reduced.mtp_loss if engine.module.mtp is not None else None,
             indexer_loss=reduced.indexer_loss if c.indexer_loss_coef > 0 else None,
-            update_skipped=True if skipped else None,
+            update_skipped=True if skipped else None, tokens_per_s_per_gpu=tokens / step_time / self.world,
+            tflops_per_gpu=tflops,
+            mfu=tflops / self.peak_tflops if self.peak_tflops else None,
         )  # fmt: skip
 
     def evaluate(self, step: int) -> dict[str, Any]:
@@ -833,7 +847,14 @@ def format_record(record: dict[str, Any]) -> str:
     parts += [f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}"]
     if record.get("grad_norm") is not None:
         parts.append(f"grad_norm {record['grad_norm']:.3f}")
-    parts.append(f"{record['tokens_per_s']:.0f} tok/s")
+    per_gpu = record.get("tokens_per_s_per_gpu")
+    parts.append(
+        f"{record['tokens_per_s']:.0f} tok/s" + (f" ({per_gpu:.0f}/GPU)" if per_gpu is not None else "")
+    )
+    if record.get("tflops_per_gpu") is not None:
+        parts.append(f"{record['tflops_per_gpu']:.3g} TFLOP/s/GPU")
+    if record.get("mfu") is not None:
+        parts.append(f"MFU {record['mfu']:.1%}")
     if record.get("moe_imbalance") is not None:
         parts.append(f"moe_imbalance {record['moe_imbalance']:.2f}")
     return " | ".join(parts)

@@ -39,7 +39,7 @@ from tests.dist_harness import (
     run_world,
     setup_ranks,
 )
-from tests.model_fixtures import CONFIG_A, engine_config, read_manifest_json, save_tiny_hf
+from tests.model_fixtures import CONFIG_A, engine_config, read_manifest_json, restamp, save_tiny_hf
 
 FRESH_OPTIMIZER = os.path.join(ROOT, "tests", "resume_fresh_optimizer.py")
 
@@ -138,6 +138,7 @@ def test_resume_at_other_world_sizes_ep_etp_and_zero_stages(tmp_path):
     meta = json.loads(layout_json.read_text())
     del meta["optimizer_state"]
     layout_json.write_text(json.dumps(meta))
+    restamp(damaged / "step3", "glm53/layout.json")  # an older checkpoint: whole, without that record
     with pytest.raises(
         CheckpointError, match=r"no layout-free optimizer state.*\(world_size 4 -> 2, etp 2 -> 1\)"
     ):
@@ -148,6 +149,7 @@ def test_resume_at_other_world_sizes_ep_etp_and_zero_stages(tmp_path):
     for key in ("sp", "zero_stage", "dtype"):  # older checkpoints recorded world size, EP and ETP only
         del meta[key]
     layout_json.write_text(json.dumps(meta))
+    restamp(damaged / "step3", "glm53/layout.json")
     check_checkpoint_fits(str(damaged), "step3", cfg, dict(same, zero_stage=1, sp=2))  # unrecorded: unchanged
     with pytest.raises(CheckpointError, match=r"\(ep 2 -> 4\)"):
         check_checkpoint_fits(str(damaged), "step3", cfg, dict(same, ep=4))

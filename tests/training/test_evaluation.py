@@ -20,7 +20,7 @@ import pytest
 
 from glm53_ds.training.config import SetupError
 from glm53_ds.training.data import ByteTokenizer, open_stream
-from glm53_ds.training.metrics import is_validation
+from glm53_ds.training.metrics import StepMetrics, is_validation
 from glm53_ds.training.packing import hold_out
 from tests.cli import QUICK, ROOT, deepspeed_run, metrics, run, tiny_hf_checkpoint, train_config
 
@@ -38,7 +38,7 @@ def _valid_file(tmp_path) -> str:
 
 def _split(records):
     """(training records without their timings, validation records)."""
-    train = [{k: v for k, v in r.items() if k not in ("tokens_per_s", "step_time")} for r in records
+    train = [{k: v for k, v in r.items() if k not in StepMetrics.TIMING} for r in records
              if not is_validation(r)]  # fmt: skip
     return train, [r for r in records if is_validation(r)]
 

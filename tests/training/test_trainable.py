@@ -182,7 +182,10 @@ def test_a_lora_run_under_ep2_trains_the_adapters_only_and_exports_them_merged(t
     proc = run(*common, "--train-iters", "5", "--load", str(ck), "--load-tag", "step3", "--output-dir",
                str(tmp_path / "b"))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"base weights: the released-layout weights {hf}, fingerprint " in proc.stderr
+    assert (
+        f"base weights: the released-layout weights {hf}, " in proc.stderr
+        and " files checksummed" in proc.stderr
+    )
     for x, y in zip(metrics(tmp_path / "a")[3:], metrics(tmp_path / "b"), strict=True):
         assert x["step"] == y["step"] and abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (x, y)
     # control: other base weights of the same shapes are refused, naming both

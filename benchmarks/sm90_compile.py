@@ -1,0 +1,263 @@
+"""Every Triton kernel of glm53_ds compiled for an H100 / H200 (sm_90) on a machine without a GPU.
+
+Triton compiles for a target without a device: a stand-in driver reports `GPUTarget("cuda", 90, 32)` and
+`JITFunction.run` is made to compile without launching (`warmup`), then the public functions run on CPU tensors of
+the real dtypes, shapes and strides at the released width, so every kernel compiles with the specialisation a
+launch on the GPU gets (16-divisibility, unit strides, int32 vs int64 indexing). The PTX goes through the ptxas
+inside the Triton wheel; `cuobjdump --dump-resource-usage` on the cubin gives registers and the stack (local
+memory: spills). For each kernel: registers per thread, stack bytes, shared memory, warps, the occupancy those
+allow on an SM (64K registers, 228 KiB shared memory, 2,048 threads), and whether its matrix products are Hopper's
+`wgmma` or Ampere-style `mma.sync`.
+
+    python benchmarks/sm90_compile.py            # the table
+    python benchmarks/sm90_compile.py --json     # one JSON object (tests/test_sm90_compile.py reads it)
+    bash benchmarks/sm90_compile_triton36.sh     # the same under the GPU image's Triton 3.6
+
+Exit status 1 when a bf16 kernel spills or a kernel needs more than 227 KiB of shared memory (what an sm_90 block
+can have): the checks the tests assert. Must run without TRITON_INTERPRET (it is removed here, before any kernel
+module is imported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+os.environ.pop("TRITON_INTERPRET", None)  # `triton.jit` reads it when a kernel module is imported
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SM90_SHARED = 227 * 1024  # per block (228 KiB per SM, 1 KiB reserved per block)
+SM90_SHARED_PER_SM = 228 * 1024
+SM90_REGISTERS = 65536
+SM90_THREADS = 2048
+SM90_BLOCKS = 32
+# the released width (config.json of GLM-5.3-Flash): 64 heads, kv_lora_rank 512, W = index_topk + index_kpool - 1,
+# hidden 4096, hc_mult 4
+HEADS, LATENT, SLOTS, HIDDEN, STREAMS = 64, 512, 2063, 4096, 4
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _stand_in_driver() -> object:
+    """A CUDA driver that only answers what compilation asks: device 0, stream 0, target sm_90."""
+    from triton.backends.nvidia.driver import CudaDriver
+
+    class StandIn(CudaDriver):  # type: ignore[misc]
+        def __init__(self) -> None:  # no libcuda
+            pass
+
+        def get_current_device(self) -> int:
+            return 0
+
+        def get_current_stream(self, device: int | None = None) -> int:
+            return 0
+
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self) -> torch.device:
+            return torch.device("cpu")
+
+        def is_active(self) -> bool:
+            return True
+
+    return StandIn()
+
+
+@dataclass
+class KernelReport:
+    kernel: str
+    dtype: str
+    registers: int
+    stack_bytes: int  # local memory per thread: register spills (and any local arrays)
+    shared_bytes: int
+    warps: int
+    occupancy: float  # resident warps / 64 per SM, as registers, shared memory and threads allow
+    mma: str  # wgmma | mma.sync | none
+    compile_s: float
+
+    @property
+    def spills(self) -> bool:
+        return self.stack_bytes > 0
+
+
+def occupancy(registers: int, shared: int, warps: int) -> float:
+    """Resident warps per SM / 64 for one kernel (registers allocated per warp in units of 256)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_registers = SM90_REGISTERS // max(1, per_warp * warps)
+    by_shared = SM90_SHARED_PER_SM // (shared + 1024) if shared else SM90_BLOCKS
+    by_threads = SM90_THREADS // (32 * warps)
+    blocks = min(by_registers, by_shared, by_threads, SM90_BLOCKS)
+    return blocks * warps * 32 / SM90_THREADS
+
+
+def _tool(name: str) -> str:
+    from triton.backends.nvidia import compiler
+
+    return os.path.join(os.path.dirname(compiler.__file__), "bin", name)
+
+
+def resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack bytes) of a cubin's one kernel, by cuobjdump."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout  # fmt: skip
+    line = next(x for x in out.splitlines() if "REG:" in x)
+    fields = dict(item.split(":") for item in line.split() if ":" in item)
+    return int(fields["REG"]), int(fields["STACK"])
+
+
+def _mma(ptx: str) -> str:
+    return "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none"
+
+
+class _CompileOnly:
+    """`JITFunction.run` compiling without launching; each new compilation recorded with its wall time."""
+
+    def __init__(self) -> None:
+        self.compiled: list[tuple[str, object, float]] = []
+        self._seen: set[int] = set()
+
+    def __enter__(self) -> _CompileOnly:
+        self._run = JITFunction.run
+        record = self
+
+        def run(fn: JITFunction, *args: object, grid: object, warmup: bool, **kwargs: object) -> object:
+            started = time.perf_counter()
+            kernel = record._run(fn, *args, grid=grid, warmup=True, **kwargs)
+            if id(kernel) not in record._seen:
+                record._seen.add(id(kernel))
+                record.compiled.append((fn.fn.__name__, kernel, time.perf_counter() - started))
+            return kernel
+
+        JITFunction.run = run  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        JITFunction.run = self._run  # type: ignore[method-assign]
+
+
+def _dsa(dtype: torch.dtype, tokens: int) -> None:
+    """The DSA sparse-attention kernels as the model calls them: q_lat as `absorb_query` makes it (a transposed
+    view), the latent [b, L, R], the selection [b, L, W] int32."""
+    from glm53_ds.layers import sparse_attention_triton as kernels
+
+    g = torch.Generator().manual_seed(0)
+    q_lat = torch.randn(1, HEADS, tokens, LATENT, generator=g).to(dtype).transpose(1, 2)  # [b, L, h, R] view
+    latent = torch.randn(1, tokens, LATENT, generator=g).to(dtype)
+    selection = torch.randint(0, tokens, (1, tokens, SLOTS), generator=g, dtype=torch.int32)
+    out, lse = kernels.sparse_forward(q_lat, latent, selection, LATENT**-0.5)
+    kernels.sparse_backward(q_lat, latent, selection, out, lse, torch.randn_like(out), LATENT**-0.5)
+
+
+def _hc_post(dtype: torch.dtype, tokens: int) -> None:
+    """hc_post as a decoder layer calls it: the block output and the streams in the activation dtype, the post and
+    combination weights in fp32."""
+    from glm53_ds.mhc import hc_post_triton as kernels
+
+    x = torch.randn(tokens, HIDDEN).to(dtype)
+    residual = torch.randn(tokens, STREAMS, HIDDEN).to(dtype)
+    post, comb = torch.rand(tokens, STREAMS), torch.rand(tokens, STREAMS, STREAMS)
+    kernels.hc_post_forward(x, residual, post, comb)
+    kernels.hc_post_backward(torch.randn_like(residual), x, residual, post, comb)
+
+
+CALLERS = {"dsa": _dsa, "hc_post": _hc_post}
+
+
+@triton.jit
+def _spilling_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    """The control: a [N, N] fp32 tile kept whole by one warp (the column sums need every value before the first
+    store): N * N / 32 values per thread, past the 255 registers a thread may have."""
+    offs = tl.arange(0, N)
+    x = tl.load(x_ptr + offs[:, None] * N + offs[None, :])
+    tl.store(y_ptr + offs[:, None] * N + offs[None, :], x * tl.sum(x, 0)[None, :] + tl.sum(x, 1)[:, None])
+
+
+def control() -> KernelReport:
+    """A kernel that must spill, compiled the same way: the check sees a spill when there is one."""
+    driver.set_active(_stand_in_driver())
+    with _CompileOnly() as compiled:
+        x = torch.zeros(128, 128)
+        _spilling_kernel[(1,)](x, x, N=128, num_warps=1)
+    name, kernel, seconds = compiled.compiled[0]
+    registers, stack = resource_usage(kernel.asm["cubin"])  # type: ignore[attr-defined]
+    shared, warps = kernel.metadata.shared, kernel.metadata.num_warps  # type: ignore[attr-defined]
+    return KernelReport(name.lstrip("_"), "fp32", registers, stack, shared, warps, occupancy(registers, shared, warps),
+                        _mma(kernel.asm["ptx"]), round(seconds, 2))  # type: ignore[attr-defined]  # fmt: skip
+
+
+def compile_all(dtypes: tuple[str, ...] = ("bf16", "fp32"), tokens: int = 256) -> list[KernelReport]:
+    """Every kernel of every caller, per dtype, compiled for sm_90; the reports in compilation order."""
+    driver.set_active(_stand_in_driver())  # for the rest of the process: without a GPU there is no other
+    reports: list[KernelReport] = []
+    for dtype in dtypes:
+        with _CompileOnly() as compiled:
+            for call in CALLERS.values():
+                call(DTYPES[dtype], tokens)
+        for name, kernel, seconds in compiled.compiled:
+            registers, stack = resource_usage(kernel.asm["cubin"])  # type: ignore[attr-defined]
+            shared, warps = kernel.metadata.shared, kernel.metadata.num_warps  # type: ignore[attr-defined]
+            report = KernelReport(name.lstrip("_"), dtype, registers, stack, shared, warps,
+                                  occupancy(registers, shared, warps), _mma(kernel.asm["ptx"]), round(seconds, 2))  # type: ignore[attr-defined]  # fmt: skip
+            same = [r for r in reports if (r.kernel, r.dtype) == (report.kernel, report.dtype)]
+            if not any(asdict(r) | {"compile_s": 0} == asdict(report) | {"compile_s": 0} for r in same):
+                reports.append(report)  # another specialisation (an argument's divisibility) that differs
+    return reports
+
+
+def problems(reports: list[KernelReport]) -> list[str]:
+    out = [f"{r.kernel} ({r.dtype}) spills: {r.stack_bytes} bytes of stack per thread" for r in reports
+           if r.spills and r.dtype == "bf16"]  # fmt: skip
+    out += [f"{r.kernel} ({r.dtype}) needs {r.shared_bytes / 1024:.0f} KiB of shared memory, more than 227 KiB"
+            for r in reports if r.shared_bytes > SM90_SHARED]  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
+    p.add_argument(
+        "--tokens", type=int, default=256, help="query rows of the compile-only calls (default: 256)"
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument("--control", action="store_true", help="also a kernel that must spill (reported apart)")
+    args = p.parse_args(argv)
+    started = time.perf_counter()
+    reports = compile_all(tuple(args.dtypes), args.tokens)
+    found = problems(reports)
+    checked = control() if args.control else None
+    head = {"triton": triton.__version__, "torch": torch.__version__, "target": "sm_90",
+            "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
+    lines = [f"Triton {head['triton']}, torch {head['torch']}: every kernel compiled for sm_90 at the released "
+             f"width (64 heads, latent 512, W {SLOTS}, hidden {HIDDEN}) in {head['seconds']} s",
+             f"{'kernel':<22}{'dtype':<6}{'regs':>5}{'stack':>7}{'smem KiB':>10}{'warps':>6}{'occupancy':>10}  mma"]  # fmt: skip
+    lines += [f"{r.kernel:<22}{r.dtype:<6}{r.registers:>5}{r.stack_bytes:>7}{r.shared_bytes / 1024:>10.1f}"
+              f"{r.warps:>6}{r.occupancy:>10.0%}  {r.mma}" for r in reports]  # fmt: skip
+    lines += [f"problem: {problem}" for problem in found]
+    if args.json:
+        print(json.dumps({**head, "kernels": [dict(asdict(r), spills=r.spills) for r in reports],
+                          "problems": found, "table": lines,
+                          "control": None if checked is None else dict(asdict(checked), spills=checked.spills)}))  # fmt: skip
+    else:
+        print("\n".join(lines))
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Every Triton kernel compiled for sm_90 (an H100 / H200) on this machine without a GPU, at the released width
+(`benchmarks/sm90_compile.py`: a stand-in driver, compile-only launches, the ptxas and cuobjdump inside the Triton
+wheel). Asserted for every kernel: it compiles; no bf16 kernel spills registers to local memory; shared memory fits
+an sm_90 block (227 KiB). Reported (printed): registers, stack, shared memory, warps, occupancy and whether the
+matrix products are Hopper's wgmma. The control: a kernel made to spill shows its stack, so a spill would be
+seen. This is the feedback loop for kernel work: it runs in the fast lane (about 30 s on a cold Triton cache)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.cli import ROOT
+
+KERNELS = {"fwd_kernel", "bwd_dq_kernel", "bwd_slots_kernel", "segment_sum_kernel", "hc_post_fwd_kernel",
+           "hc_post_bwd_kernel"}  # fmt: skip
+WGMMA = ("fwd_kernel", "bwd_slots_kernel", "bwd_dq_kernel")  # the DSA kernels' matrix products
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sm90_compile.py"), "--json", "--control"],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)  # fmt: skip
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    print("\n".join(result["table"]))  # shown with -s, and in the log of a failure
+    return proc.returncode, result
+
+
+def test_every_kernel_compiles_for_sm90_within_its_limits(compiled):
+    code, result = compiled
+    kernels = result["kernels"]
+    assert {(k["kernel"], k["dtype"]) for k in kernels} == {(k, d) for k in KERNELS for d in ("bf16", "fp32")}
+    assert result["problems"] == [] and code == 0, result["problems"]
+    assert all(not k["spills"] for k in kernels if k["dtype"] == "bf16")
+    assert all(k["shared_bytes"] <= 227 * 1024 for k in kernels)
+
+
+def test_the_dsa_kernels_are_hopper_kernels(compiled):
+    """At the released width (64 heads: one warpgroup's 64 rows) the DSA forward and the backward's product kernels
+    use wgmma. Before: mma.sync only (16-head tiles; every latent row gathered 4 times)."""
+    _, result = compiled
+    mma = {k["kernel"]: k["mma"] for k in result["kernels"] if k["dtype"] == "bf16"}
+    assert {k: mma[k] for k in WGMMA} == dict.fromkeys(WGMMA, "wgmma")
+
+
+def test_a_spill_would_be_seen_control(compiled):
+    """A kernel made to spill (a [128, 128] fp32 tile kept whole by one warp), compiled the same way, shows its
+    stack: the check above would see a spill."""
+    _, result = compiled
+    control = result["control"]
+    assert control["kernel"] == "spilling_kernel" and control["spills"] and control["stack_bytes"] > 0
