@@ -33,7 +33,8 @@ def main() -> None:
     for lora in (0, args.lora_rank):
         for length in (int(x) for x in args.lengths.split(",")):
             for gpu_name, gpu in GPUS.items():
-                world, fitting = search(cfg, length, 1, gpu, lora_rank=lora)
+                found = search(cfg, length, 1, gpu, lora_rank=lora)
+                world, fitting = found.world, found.fitting
                 run = f"LoRA r={lora}" if lora else "full SFT"
                 if not fitting:
                     print(f"| {run} | {length:,} | {gpu_name} | > 1024 | — | — |", flush=True)

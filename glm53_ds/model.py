@@ -355,6 +355,12 @@ class Glm53Model(nn.Module):
         return attention_mask.bool(), all_real, docs
 
 
+def fp32_kept_names(model: nn.Module) -> list[str]:
+    """Names of the parameters transformers keeps in fp32 (the model's `_keep_in_fp32_modules_strict`)."""
+    patterns = getattr(model, "_keep_in_fp32_modules_strict", ())
+    return [n for n, _ in model.named_parameters() if any(k in n for k in patterns)]
+
+
 def freeze_padding_row(embedding_weight: nn.Parameter, cfg: Glm53Config) -> None:
     """transformers' `nn.Embedding(padding_idx=pad_token_id)`: the padding token's row gets no gradient.
     Idempotent (a GPTModel's embedding gets it from `load_hf_into`)."""

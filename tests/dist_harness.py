@@ -102,7 +102,7 @@ def _launch(
 
 
 def run_world(
-    world: int, scenario: Callable[..., Any], out_dir: str, timeout: float = 1800, **kwargs: Any
+    world: int, scenario: Callable[..., Any], out_dir: str, timeout: float = 900, **kwargs: Any
 ) -> list[Any]:
     """Run `scenario(**kwargs)` on `world` ranks; every rank's result, in rank order.
 

@@ -41,6 +41,7 @@ from .deepspeed_internals import (
     install_gradient_sync,
     install_step_guard,
     install_update_skip,
+    load_cpu_comm_op,
     register_expert_groups,
 )
 from .fp32_params import Fp32Params
@@ -51,6 +52,9 @@ OptimizerArg = torch.optim.Optimizer | Callable[[list[dict[str, Any]]], torch.op
 
 # AdamW as the trainer uses it (DeepSeek-V3 / GLM betas); the learning rate is set every step by the trainer.
 ADAMW_DEFAULTS: dict[str, Any] = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+
+# the launcher's variables init_distributed set for a world of one (no launcher), removed by close_distributed
+_LAUNCHER_VARIABLES_SET: list[str] = []
 
 
 def init_distributed() -> None:
@@ -67,11 +71,14 @@ def init_distributed() -> None:
             ("WORLD_SIZE", "1"),
             ("LOCAL_RANK", "0"),
             ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", None),
         ):
-            os.environ.setdefault(key, value)
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+            if key not in os.environ:  # no launcher: a world of one, its variables removed again at close
+                os.environ[key] = value or str(free_port())
+                _LAUNCHER_VARIABLES_SET.append(key)
         if not torch.cuda.is_available():
             register_cleanup()
+    load_cpu_comm_op()
     try:
         deepspeed.init_distributed(dist_backend=default_backend(), verbose=False)
     except RuntimeError as e:  # torch's DistNetworkError: the rendezvous port is taken (another job's)
@@ -79,7 +86,7 @@ def init_distributed() -> None:
             raise
         port = os.environ.get("MASTER_PORT", "?")
         raise OSError(
-            f"--master_port {port}: the port is in use on {os.environ.get('MASTER_ADDR', '?')} (another "
+            f"--master_port {port}: the port is in use (EADDRINUSE) on {os.environ.get('MASTER_ADDR', '?')} (another "
             f"job on this machine?); give each job its own: deepspeed --master_port {int(port) + 1 if port.isdigit() else 29501} ... "
             "(docs/usage.md, 'Two jobs on one machine')"
         ) from None
@@ -91,6 +98,8 @@ def close_distributed() -> None:
     exception", exit status 250 through DeepSpeed's launcher) after the trainer has returned its own code."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    while _LAUNCHER_VARIABLES_SET:  # the next run in this process picks its own free port
+        os.environ.pop(_LAUNCHER_VARIABLES_SET.pop(), None)
 
 
 def prepare_model(model: nn.Module, layout: ParallelLayout) -> None:

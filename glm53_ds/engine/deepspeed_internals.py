@@ -109,6 +109,8 @@ PATCHED_SYMBOLS = (
                   "stage-0 bf16: its check reports an overflow for a requested skip"),
     PatchedSymbol("FP16_UnfusedOptimizer.fp16_groups", "read", "stage-0 bf16: parameter -> its fp32 copy"),
     PatchedSymbol("FP16_UnfusedOptimizer.fp32_groups", "read", "the fp32 copies (the masters)"),
+    PatchedSymbol("deepspeed.comm.torch.build_shm_op", "called",
+                  "CPU: the shared-memory op JIT-loaded before DeepSpeed's own call, under a lock a killed rank releases (DeepSpeed keeps it loaded: its call builds nothing)"),
 )  # fmt: skip
 
 
@@ -578,3 +580,38 @@ class ParamOptimizerState:
         state = self._inner().state[holder]
         for key in ADAM_MOMENTS:
             state[key].copy_(values[key].to(holder.device))
+
+
+# ----------------------------------------------------------------------------- CPU: the shared-memory comm op
+def load_cpu_comm_op() -> None:
+    """Load DeepSpeed's CPU shared-memory allreduce op before `deepspeed.init_distributed` does (no-op where the
+    accelerator has no such op: CUDA).
+
+    DeepSpeed JIT-builds it through torch's `FileBaton`: every load creates `<build dir>/lock`, runs ninja (a no-op
+    once built) and removes it. A rank killed in that window (a peer's failure, a scheduler's SIGKILL, the stop
+    watchdog) leaves the file behind, and every later run on the machine then waits for it forever at start-up,
+    silently. Here each glm53_ds process loads the op holding a kernel `flock` on `<build dir>/glm53_ds.lock`, which
+    the kernel releases when its holder dies; so a `lock` found while holding it was left by a killed process: it is
+    removed, said in one line. DeepSpeed caches the loaded op per process, so its own call builds nothing."""
+    import fcntl
+    import importlib
+    import sys
+
+    from deepspeed.accelerator import get_accelerator
+    from torch.utils.cpp_extension import _get_build_directory
+
+    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` is torch itself
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return
+    build_dir = _get_build_directory(builder.name, verbose=False)
+    os.makedirs(build_dir, exist_ok=True)
+    with open(os.path.join(build_dir, "glm53_ds.lock"), "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        baton = os.path.join(build_dir, "lock")
+        if os.path.exists(baton):
+            os.unlink(baton)
+            print(f"note: removed {baton}, a build lock left by a killed run (it would have made this run wait "
+                  "for it forever)", file=sys.stderr)  # fmt: skip
+        ds_comm_torch.build_shm_op()

@@ -28,11 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-
-def fp32_kept_names(model: nn.Module) -> list[str]:
-    """Names of the parameters transformers keeps in fp32 (the model's `_keep_in_fp32_modules_strict`)."""
-    patterns = getattr(model, "_keep_in_fp32_modules_strict", ())
-    return [n for n, _ in model.named_parameters() if any(k in n for k in patterns)]
+from ..model import fp32_kept_names
 
 
 class Fp32Params:

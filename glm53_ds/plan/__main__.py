@@ -4,6 +4,7 @@
         [--sp S] [--micro-batch-size M] [--recompute none|selective|full] [--lora-rank 16] [--fp32]
         [--gpu-memory 141GB] [--json]
     python -m glm53_ds.plan --search --seq-length 32768 [--lora-rank 16] [--gpu-memory 80GB]
+    python -m glm53_ds.plan --config recipes/lora_r16_8xh200.toml     # the trainer's run file ([planning] gpus)
 
 Prints per rank: the parameters held by kind (exact: the model built on the meta device), the bytes of weights,
 gradients, fp32 masters and Adam moments as the engine holds them (state.py), the activations per layer kind with
@@ -23,12 +24,23 @@ import warnings
 
 from ..config import Glm53Config
 from ..parallel.layout import validate_layout
+from ..training.args import build_parser
 from ..training.config import check_seq_length
 from ..training.presets import PRESETS
+from ..training.run_file import config_path, read_config
 from .activations import plan_activations
 from .cli import check_numbers, model_config
 from .counts import KINDS, count_parameters
-from .memory import RECOMPUTE_ORDER, RESERVE_FRACTION, Layout, RankMemory, rank_memory, search
+from .memory import (
+    RECOMPUTE_ORDER,
+    RESERVE_FRACTION,
+    WORLDS,
+    Layout,
+    RankMemory,
+    rank_memory,
+    search,
+    what_would_fit,
+)
 from .state import GiB
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -42,12 +54,43 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
+def run_file_arguments(path: str) -> list[str]:
+    """The trainer's run file (`--config run.toml`, training/run_file.py) as the planner's arguments: the run as the
+    trainer would make it (its defaults where the file gives nothing). The model: --hf-dir's config, else
+    --model-config, else the trainer's default (tiny); the DeepSpeed config's ZeRO stage and dtype, or the trainer's
+    GPU default (ZeRO 2, bf16); [planning] gpus as --world, gpu_memory as --gpu-memory."""
+    trainer = build_parser()
+    file_argv, _ = read_config(path, trainer)
+    run = trainer.parse_args(file_argv)
+    if run.load and not (run.hf_dir or run.model_config):
+        raise ValueError(f"--config {path}: the model is --load's; give [model] model_config for the planner")
+    out = ["--model-config", run.hf_dir or run.model_config or "tiny"]
+    for name in ("ep", "etp", "sp", "seq_length", "micro_batch_size", "recompute", "lora_rank"):
+        value = getattr(run, name)
+        if value is not None:
+            out += [f"--{name.replace('_', '-')}", str(value)]
+    zero, bf16 = 2, True  # the trainer's default on a GPU
+    if run.deepspeed_config:
+        try:
+            with open(run.deepspeed_config, encoding="utf-8") as f:
+                ds = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"--config {path}: deepspeed_config {run.deepspeed_config!r}: {e}") from e
+        zero = int(ds.get("zero_optimization", {}).get("stage", 0))
+        bf16 = bool(ds.get("bf16", {}).get("enabled", False))
+    out += ["--zero", str(zero)] + ([] if bf16 else ["--fp32"]) + (["--no-mtp"] if run.no_mtp else [])
+    if run.gpus is not None:
+        out += ["--world", str(run.gpus)]
+    return out + ["--gpu-memory", run.gpu_memory]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m glm53_ds.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--model-config", default="glm-5.3-flash", help=f"a preset ({', '.join(PRESETS)}) or a "
                    "config.json (default: glm-5.3-flash)")  # fmt: skip
-    p.add_argument("--world", type=int, help="ranks (GPUs); required without --search")
+    p.add_argument("--world", type=int, help="ranks (GPUs); required without --search; with it, the one world to "
+                   "search (default: 8 to 1024)")  # fmt: skip
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--etp", type=int, default=1)
     p.add_argument("--sp", type=int, default=1, help="sequence-parallel ranks per sample (default: 1)")
@@ -66,7 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--search", action="store_true", help="the smallest world and the layouts that fit in it "
                    "(--world / --ep / --etp / --sp / --zero / --recompute are searched)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    args = p.parse_args(argv)
+    p.add_argument("--config", help="a trainer run file (`launch/train.py --config`, e.g. recipes/*.toml): plan that "
+                   "run; flags given here override it")  # fmt: skip
+    argv = sys.argv[1:] if argv is None else list(argv)
+    path = config_path(argv)
+    try:
+        from_file = run_file_arguments(path) if path else []
+    except ValueError as e:  # the trainer's SetupError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    args = p.parse_args(from_file + argv)
     warnings.filterwarnings("ignore", category=UserWarning)  # megatron's notices about optional kernels
     try:
         check_numbers(args, dict(world=1, ep=1, etp=1, sp=1, seq_length=1, micro_batch_size=1, lora_rank=0))
@@ -98,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
                        "frozen": counts.frozen, "buffers": counts.buffers},
         "bytes_per_rank": memory.state.as_dict(), "memory": memory.as_dict(), "gpu_memory": gpu,
     }  # fmt: skip
+    result["trainer_flags"] = layout.trainer_flags(bf16=not args.fp32)
+    hints = [] if memory.fits else what_would_fit(cfg, memory, args.seq_length, args.micro_batch_size,
+                                                  bf16=not args.fp32, lora_rank=args.lora_rank)  # fmt: skip
+    result["would_fit"] = hints
     if args.json:
         print(json.dumps(result))
         return 0
@@ -112,6 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in memory.state.as_dict().items():
         print(f"  {key:<11} {value / GiB:10.2f} GiB")
     _print_memory(memory)
+    if memory.fits:
+        print(f"the trainer's flags: deepspeed launch/train.py {layout.trainer_flags(bf16=not args.fp32)} "
+              f"--seq-length {args.seq_length} --micro-batch-size {args.micro_batch_size}"
+              + (f" --lora-rank {args.lora_rank}" if args.lora_rank else ""))  # fmt: skip
+    elif hints:
+        print("it would fit with any one of: " + "; ".join(hints))
+    else:
+        print("no change tried fits (recompute, SP, ZeRO 2, twice the GPUs, half the row, full recompute with SP or "
+              "twice the GPUs): python -m glm53_ds.plan --search finds the smallest world that does")  # fmt: skip
     return 0
 
 
@@ -132,25 +197,36 @@ def _print_memory(memory: RankMemory) -> None:
 
 
 def _search(args: argparse.Namespace, cfg: Glm53Config, gpu: int) -> int:
-    world, fitting = search(cfg, args.seq_length, args.micro_batch_size, gpu, bf16=not args.fp32,
-                            lora_rank=args.lora_rank)  # fmt: skip
+    worlds = (args.world,) if args.world else WORLDS
+    progress = None if args.json else (lambda line: print(f"searching: {line}", file=sys.stderr, flush=True))
+    found = search(cfg, args.seq_length, args.micro_batch_size, gpu, bf16=not args.fp32, lora_rank=args.lora_rank,
+                   worlds=worlds, progress=progress)  # fmt: skip
+    bf16 = not args.fp32
     what = (
         f"{'LoRA rank ' + str(args.lora_rank) if args.lora_rank else 'full fine-tuning'}, "
         f"{args.micro_batch_size} x {args.seq_length:,} tokens, {args.gpu_memory} GPUs"
     )
     if args.json:
-        print(
-            json.dumps({"model": args.model_config, "world": world, "fits": [m.as_dict() for m in fitting]})
-        )
-        return 0 if fitting else 1
-    if not fitting:
-        print(f"{args.model_config}, {what}: no layout of up to 1024 GPUs fits")
+        print(json.dumps({"model": args.model_config, "world": found.world,
+                          "fits": [dict(m.as_dict(), trainer_flags=m.layout.trainer_flags(bf16)) for m in found.fitting],
+                          "nearest": None if found.nearest is None else found.nearest.as_dict()}))  # fmt: skip
+        return 0 if found.fitting else 1
+    where = f"{args.world} GPUs" if args.world else f"up to {WORLDS[-1]} GPUs"
+    if not found.fitting:
+        print(f"{args.model_config}, {what}: no layout of {where} fits")
+        if found.nearest is not None:
+            m = found.nearest
+            print(f"  nearest: {m.layout}: {m.total / GiB:.1f} GiB per rank of {(1 - RESERVE_FRACTION) * gpu / GiB:.1f} "
+                  f"usable (state {m.state.total / GiB:.1f}, activations {m.activations / GiB:.1f})")  # fmt: skip
         return 1
-    print(f"{args.model_config}, {what}: the smallest world that fits is {world} GPUs; its layouts, the cheapest "
-          "first (less recompute, less SP, less ETP, then less memory):")  # fmt: skip
-    for m in fitting:
+    print(f"{args.model_config}, {what}: the smallest world that fits is {found.world} GPUs; its layouts, the "
+          "cheapest first (less recompute, less SP, less ETP, then less memory), as the trainer's flags:")  # fmt: skip
+    for m in found.fitting:
         print(f"  {m.layout}: {m.total / GiB:.1f} GiB per rank (state {m.state.total / GiB:.1f}, activations "
               f"{m.activations / GiB:.1f})")  # fmt: skip
+        print(f"      deepspeed --num_gpus {m.layout.world} launch/train.py {m.layout.trainer_flags(bf16)} "
+              f"--seq-length {args.seq_length} --micro-batch-size {args.micro_batch_size}"
+              + (f" --lora-rank {args.lora_rank}" if args.lora_rank else ""))  # fmt: skip
     return 0
 
 

@@ -19,10 +19,9 @@ import torch
 
 from ..checkpoint.placement import expert_split, placement
 from ..config import Glm53Config
-from ..engine.fp32_params import fp32_kept_names
 from ..layers.lora import LoraSpec
 from ..layers.lora_targets import apply_lora
-from ..model import Glm53Model, build_model
+from ..model import Glm53Model, build_model, fp32_kept_names
 from ..parallel.expert_shard import ExpertShard
 from ..training.trainable import select_trainable
 

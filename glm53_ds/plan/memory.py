@@ -15,7 +15,9 @@ expert-parallel all-to-all buffers are activations (the trace sees them).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -50,6 +52,27 @@ class Layout:
     def __str__(self) -> str:
         return (f"world {self.world}: EP {self.ep} x ETP {self.etp} x SP {self.sp}, ZeRO {self.zero}, "
                 f"recompute {self.recompute}")  # fmt: skip
+
+    def deepspeed_config(self, bf16: bool = True) -> str:
+        """The shipped DeepSpeed config of this ZeRO stage and dtype (ds_configs/)."""
+        if bf16 and self.zero in (1, 2):
+            return f"ds_configs/zero{self.zero}_bf16.json"
+        return (
+            "ds_configs/cpu.json"
+            if self.zero == 0 and not bf16
+            else f"<a ZeRO-{self.zero} {'bf16' if bf16 else 'fp32'} config>"
+        )
+
+    def trainer_flags(self, bf16: bool = True) -> str:
+        """The layout as `deepspeed launch/train.py` takes it (world: the launcher's GPUs)."""
+        return (f"--ep {self.ep} --etp {self.etp} --sp {self.sp} --recompute {self.recompute} "
+                f"--deepspeed_config {self.deepspeed_config(bf16)}")  # fmt: skip
+
+    def config_section(self, bf16: bool = True) -> str:
+        """The layout as a `--config` file's sections (TOML)."""
+        return (f"[parallelism]\nep = {self.ep}\netp = {self.etp}\nsp = {self.sp}\n"
+                f"[model]\nrecompute = \"{self.recompute}\"\n"
+                f"[deepspeed]\ndeepspeed_config = \"{self.deepspeed_config(bf16)}\"")  # fmt: skip
 
 
 @dataclass
@@ -111,13 +134,25 @@ def _powers_of_two(limit: int) -> list[int]:
     return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
 
 
+@dataclass
+class SearchResult:
+    world: int  # the smallest world where a layout fits (0: none)
+    fitting: list[RankMemory]  # up to `show` of its layouts, the cheapest first
+    nearest: RankMemory | None = None  # when nothing fits: the layout that came closest (least memory)
+
+
+WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
+
+
 def search(
     cfg: Glm53Config, seq_length: int, micro_batch: int, gpu: int, bf16: bool = True, lora_rank: int = 0,
-    worlds: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512, 1024), zero_stages: tuple[int, ...] = (1, 2),
+    worlds: tuple[int, ...] = WORLDS, zero_stages: tuple[int, ...] = (1, 2),
     recompute_modes: tuple[str, ...] = RECOMPUTE_ORDER, max_sp: int = 16, max_etp: int = 8, show: int = 10,
-) -> tuple[int, list[RankMemory]]:  # fmt: skip
+    progress: Callable[[str], None] | None = None,
+) -> SearchResult:  # fmt: skip
     """The smallest world (of `worlds`, in GPUs) at which some layout fits, and up to `show` layouts that fit
-    there, the cheapest first: less recompute, less SP, less ETP, then less memory. (0, []) when nothing fits.
+    there, the cheapest first: less recompute, less SP, less ETP, then less memory; when nothing fits, the nearest
+    miss. `progress`: called with one line per world searched.
 
     Layouts: EP, ETP and SP powers of two that divide the experts, their FFN width, the heads and the length;
     ZeRO 1 and 2; each recompute mode. A layout whose training state alone does not fit is not traced; the others'
@@ -129,8 +164,10 @@ def search(
     init_layout(1, 1, cfg)
     profiles: dict[tuple[int, int, int, str], ActivationProfile] = {}
     count_cache: dict[tuple[int, int], ParameterCounts] = {}
+    nearest: RankMemory | None = None
     for world in worlds:
         fitting = []
+        traced = 0
         for etp, sp, ep in itertools.product(_powers_of_two(max_etp), _powers_of_two(max_sp),
                                              _powers_of_two(cfg.n_routed_experts)):  # fmt: skip
             try:
@@ -151,10 +188,64 @@ def search(
                                                          lora_rank)  # fmt: skip
                     memory = rank_memory(cfg, Layout(world, ep, etp, sp, zero, recompute), seq_length, micro_batch,
                                          gpu, counts, bf16, lora_rank, profiles[key])  # fmt: skip
+                    traced += 1
                     if memory.fits:
                         fitting.append(memory)
+                    elif nearest is None or memory.total < nearest.total:
+                        nearest = memory
+        if progress is not None:
+            progress(f"{world} GPUs: {traced} layouts traced, {len(fitting)} fit")
         if fitting:
             fitting.sort(key=lambda m: (RECOMPUTE_ORDER.index(m.layout.recompute), m.layout.sp, m.layout.etp,
                                         m.total))  # fmt: skip
-            return world, fitting[:show]
-    return 0, []
+            return SearchResult(world, fitting[:show])
+    return SearchResult(0, [], nearest)
+
+
+def what_would_fit(
+    cfg: Glm53Config, memory: RankMemory, seq_length: int, micro_batch: int, bf16: bool = True, lora_rank: int = 0,
+) -> list[str]:  # fmt: skip
+    """For a layout that does not fit: each single change that makes it fit (more recompute, ZeRO 2, SP, twice the
+    GPUs at the same EP x ETP, half the row), else each pair (full recompute with SP, or with twice the GPUs), as a
+    line naming the trainer's flags and the total it gives."""
+    layout = memory.layout
+    full = dataclasses.replace(layout, recompute="full", zero=max(layout.zero, 1))
+    singles: list[tuple[str, Layout, int]] = [
+        (f"--recompute {mode}", dataclasses.replace(layout, recompute=mode), seq_length)
+        for mode in RECOMPUTE_ORDER[RECOMPUTE_ORDER.index(layout.recompute) + 1 :]
+    ]
+    if layout.zero < 2:
+        singles.append(
+            ("ZeRO 2 (ds_configs/zero2_bf16.json)", dataclasses.replace(layout, zero=2), seq_length)
+        )
+    singles += [
+        (f"--sp {sp}", dataclasses.replace(layout, sp=sp), seq_length)
+        for sp in (2 * layout.sp, 4 * layout.sp)
+    ]
+    singles.append(
+        (f"{2 * layout.world} GPUs", dataclasses.replace(layout, world=2 * layout.world), seq_length)
+    )
+    singles.append((f"--seq-length {seq_length // 2}", layout, seq_length // 2))
+    pairs: list[tuple[str, Layout, int]] = [
+        (f"--recompute full --sp {sp}", dataclasses.replace(full, sp=sp), seq_length)
+        for sp in (2 * layout.sp, 4 * layout.sp, 8 * layout.sp)
+    ]
+    pairs.append((f"--recompute full and {2 * layout.world} GPUs", dataclasses.replace(full, world=2 * layout.world),
+                  seq_length))  # fmt: skip
+    for tries in (singles, pairs):
+        found = []
+        for label, candidate, length in tries:
+            try:
+                validate_layout(
+                    candidate.world, candidate.ep, candidate.etp, cfg, sp=candidate.sp, seq_length=length
+                )
+            except ValueError:
+                continue
+            total = rank_memory(
+                cfg, candidate, length, micro_batch, memory.gpu, bf16=bf16, lora_rank=lora_rank
+            )
+            if total.fits:
+                found.append(f"{label}: {total.total / 2**30:.1f} GiB")
+        if found:
+            return found
+    return []

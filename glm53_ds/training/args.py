@@ -15,6 +15,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train or fine-tune GLM-5.3-Flash with DeepSpeed ZeRO + expert parallelism. With no arguments: "
         "the `tiny` preset on the shipped text sample.",
     )
+    p.add_argument("--config", help="a run described in a TOML file (tables named after the option groups below, "
+                   "keys after the options; docs/usage.md); flags given beside it override it, each said in one line. "
+                   "Every run writes its resolved options as <output-dir>/run.toml, which replays it")  # fmt: skip
     m = p.add_argument_group("model")
     m.add_argument("--hf-dir", help="start from a released checkpoint (config.json + safetensors); each rank reads "
                    "only the tensors it holds")  # fmt: skip
@@ -120,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "under --output-dir for `wandb sync` (default: online)")  # fmt: skip
     c.add_argument("--wandb-name", help="the W&B run's name (default: W&B's)")
     c.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # set by the launcher
+
+    pl = p.add_argument_group("planning")
+    pl.add_argument("--gpus", type=int, help="the GPUs the run is planned for (`python -m glm53_ds.plan --config` "
+                    "checks the description at this world; a run launched on another number says so)")  # fmt: skip
+    pl.add_argument(
+        "--gpu-memory", help="the memory of one GPU the plan is checked against (default: 141GB, an H200)"
+    )
 
     ds = p.add_argument_group("DeepSpeed")
     ds.add_argument("--deepspeed_config", help="a DeepSpeed JSON config (ZeRO stage, bf16, ...); "

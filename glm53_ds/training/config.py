@@ -129,6 +129,9 @@ class TrainConfig:
     wandb_mode: str = "online"  # or "offline": no network, under --output-dir (wandb sync uploads it)
     wandb_name: str | None = None
     deepspeed_config: str | None = None
+    # planning (python -m glm53_ds.plan --config reads them; the trainer compares gpus with its world)
+    gpus: int | None = None
+    gpu_memory: str = "141GB"
 
     def lr_at(self, step: int) -> float:
         """Linear warmup to --lr over --warmup steps, then cosine decay to --min-lr at --train-iters."""
@@ -196,6 +199,8 @@ class TrainConfig:
             if not math.isfinite(value) or value < 0:
                 raise SetupError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
         positive("eval_iters", self.eval_iters)
+        if self.gpus is not None:
+            positive("gpus", self.gpus)
         if self.peak_tflops is not None and not (math.isfinite(self.peak_tflops) and self.peak_tflops > 0):
             raise SetupError(f"--peak-tflops must be a finite number > 0, got {self.peak_tflops}")
         if not (math.isfinite(self.valid_split) and 0.0 <= self.valid_split <= 0.5):

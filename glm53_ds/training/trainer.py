@@ -57,6 +57,7 @@ from .config import SetupError, TrainConfig, recompute_overrides, resolve_model
 from .data import SampleStream, load_tokenizer, open_stream
 from .metrics import MetricsWriter, StepMetrics, WandbRun, plot_loss
 from .packing import Batch, PackedRowStream, hold_out
+from .run_file import parse_with_config, write_run_file
 from .stop_signals import Interrupted, StopSignals, signal_name
 from .trainable import select_trainable
 
@@ -365,7 +366,12 @@ class Trainer:
                                                              model_only=c.load_model_only or self.base_only,
                                                              keep=keep))  # fmt: skip
             self._resume(client)
+        if c.gpus is not None and c.gpus != self.world:
+            self._say(f"--gpus {c.gpus}: the run was planned for {c.gpus} GPUs and runs on {self.world}")
         if self.rank == 0:
+            self._say(
+                f"run description: {write_run_file(c, build_parser(), c.output_dir)} (--config replays it)"
+            )
             wandb_run = None
             if c.wandb_project:
                 wandb_run = WandbRun(c.wandb_project, c.wandb_mode, c.wandb_name, config=_loggable(c))
@@ -903,10 +909,14 @@ def _report_stop(signum: int, trainer: Trainer | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
     trainer: Trainer | None = None
     stop = StopSignals(lambda signum: _report_stop(signum, trainer)).install()
     try:
+        args, overrides = parse_with_config(parser, sys.argv[1:] if argv is None else list(argv))
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            for line in overrides:
+                print(line, file=sys.stderr)
         trainer = Trainer(TrainConfig.from_args(args))
         last = trainer.run()
         if dist.is_initialized() and dist.get_rank() == 0 and last:

@@ -106,3 +106,40 @@ def test_an_optimizer_mixing_experts_and_replicas_is_refused():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="param group 0 mixes expert and non-expert parameters"):
         glm53_ds.build_engine(model, {"train_micro_batch_size_per_gpu": 1}, optimizer=optimizer)
+
+
+def test_a_build_lock_left_by_a_killed_rank_does_not_hang_the_next_run(tmp_path):
+    """DeepSpeed JIT-loads its CPU comm op through torch's FileBaton (`<build dir>/lock`, created and removed on every
+    load). A rank killed inside that window left the file, and every later run waited for it forever (CI: every
+    training test after one killed two-rank test timed out, then the suite hung). `load_cpu_comm_op` loads it under
+    a kernel lock a dead process releases, and removes such a leftover. Control: DeepSpeed's own load still hangs."""
+    import shutil
+    import subprocess
+    import sys
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    deepspeed_internals.load_cpu_comm_op()  # built once in the usual place, then copied: no second compile
+    built = _get_build_directory("deepspeed_shm_comm", verbose=False)
+    if not os.path.exists(os.path.join(built, "deepspeed_shm_comm.so")):
+        pytest.skip("this accelerator has no shared-memory comm op")
+    shutil.copytree(built, tmp_path / "deepspeed_shm_comm", ignore=shutil.ignore_patterns("lock", "*.lock"))
+    (tmp_path / "deepspeed_shm_comm" / "lock").write_text("")  # what a killed rank leaves
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+
+    def load(call: str, timeout: float) -> subprocess.CompletedProcess | None:
+        try:
+            return subprocess.run([sys.executable, "-c", call], capture_output=True, text=True, env=env, cwd=ROOT,
+                                  timeout=timeout)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return None
+
+    stock = (
+        "import importlib; importlib.import_module('deepspeed.comm.torch').build_shm_op(); print('loaded')"
+    )
+    assert load(stock, timeout=20) is None  # the control: DeepSpeed's load waits for the leftover lock
+    ours = "from glm53_ds.engine.deepspeed_internals import load_cpu_comm_op; load_cpu_comm_op(); print('loaded')"
+    proc = load(ours, timeout=300)
+    assert proc is not None and proc.returncode == 0 and "loaded" in proc.stdout, proc and proc.stderr[-2000:]
+    assert "a build lock left by a killed run" in proc.stderr
+    assert not (tmp_path / "deepspeed_shm_comm" / "lock").exists()

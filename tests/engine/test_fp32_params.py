@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import glm53_ds
 from glm53_ds.engine import build
-from glm53_ds.engine.fp32_params import fp32_kept_names
+from glm53_ds.model import fp32_kept_names
 from tests.dist_harness import global_batch, load_models, local_rows, make_engine, run_world, setup_ranks
 from tests.model_fixtures import CONFIG_A, CONFIG_B, batch, load_hf_reference, save_tiny_hf
 
@@ -124,7 +124,7 @@ def bf16_keeps_fp32(ckpt: str, ep: int, etp: int, save_dir: str) -> dict[str, An
 
     from glm53_ds.checkpoint import ShardReader
     from glm53_ds.engine import load_checkpoint, save_checkpoint
-    from glm53_ds.engine.fp32_params import fp32_kept_names
+    from glm53_ds.model import fp32_kept_names
     from glm53_ds.parallel.replicas import ReplicaMismatch, check_replicas
     from tests.model_fixtures import load_hf_reference
 

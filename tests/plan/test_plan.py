@@ -133,7 +133,8 @@ def _plan(*args: str) -> dict:
     run = subprocess.run([sys.executable, "-m", "glm53_ds.plan", *args, "--json"], capture_output=True, text=True,
                          timeout=600)  # fmt: skip
     assert run.returncode in (0, 1), run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(run.stdout.strip().splitlines()) == 1, run.stdout  # one JSON object and nothing else on stdout
+    return json.loads(run.stdout)
 
 
 def test_the_command_line(capsys):
@@ -190,8 +191,37 @@ def test_search_finds_the_smallest_world_and_only_layouts_that_fit():
     assert result["world"] == 8 and result["fits"]
     assert all(m["fits"] and m["total"] <= 0.92 * 4e9 for m in result["fits"])
     assert result["fits"][0]["layout"]["recompute"] == "none"
-    assert _plan("--model-config", "tiny", "--search", "--seq-length", "128", "--gpu-memory", "2.1GB") == {
-        "model": "tiny", "world": 0, "fits": []}  # fmt: skip
+    assert result["fits"][0]["trainer_flags"].startswith("--ep ")
+    none = _plan("--model-config", "tiny", "--search", "--seq-length", "128", "--gpu-memory", "2.1GB")
+    assert (none["world"], none["fits"]) == (0, []) and "nearest" in none  # none: no layout's state even fits
+
+
+def test_search_in_a_given_world_and_the_trainers_language():
+    """Before: `--search --world 8` ignored --world (and answered 32 GPUs after 6 silent minutes); a "does NOT fit"
+    said nothing more; the layout was in the planner's words only. Now --world bounds the search, progress goes to
+    stderr, each layout comes as the trainer's flags, and a miss names what would fit."""
+
+    def plan(*args: str) -> subprocess.CompletedProcess:  # its own process: the trace joins a fake world
+        return subprocess.run([sys.executable, "-m", "glm53_ds.plan", *args], capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+
+    out = plan(
+        "--model-config", "tiny", "--search", "--world", "4", "--seq-length", "128", "--gpu-memory", "4GB"
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "searching: 4 GPUs:" in out.stderr and "2 GPUs" not in out.stderr
+    assert "the smallest world that fits is 4 GPUs" in out.stdout
+    assert (
+        "deepspeed --num_gpus 4 launch/train.py --ep " in out.stdout
+        and "--deepspeed_config ds_configs/" in out.stdout
+    )
+    out = plan("--model-config", "tiny", "--world", "1", "--seq-length", "4096", "--gpu-memory", "2.45GB",
+               "--zero", "1")  # fmt: skip
+    assert (
+        "does NOT fit" in out.stdout
+        and "it would fit with any one of: " in out.stdout
+        and "--seq-length 2048: " in out.stdout
+    ), out.stdout[-800:] + out.stderr[-2000:]
 
 
 @pytest.mark.slow
