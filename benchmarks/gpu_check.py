@@ -77,7 +77,7 @@ STEPS = [
     Step("model_step", 60, [PY, "benchmarks/fla_bounded.py", "benchmarks/model_step.py", "--size", "real", "--seq",
                             "4096", "16384", "--dtype", "bf16"],
          [PY, "benchmarks/model_step.py", "--size", "tiny", "--seq", "128", "--repeats", "1"]),
-    Step("train", 55, [PY, *TRAIN, "--model-config", "benchmarks/configs/real_slice.json", "--seq-length", "4096",
+    Step("train", 55, [PY, *TRAIN, "--model-config", "benchmarks/configs/real_slice.json", "--data", "data/tiny_corpus.txt", "--seq-length", "4096",
                        "--micro-batch-size", "1", "--train-iters", "20", "--lr", "1e-5", "--min-lr", "1e-6"],
          [PY, *TRAIN, "--train-iters", "3"]),
     Step("correctness", 30, [PY, "benchmarks/gpu_correctness.py", "--checks", "hc_post", "attention"],

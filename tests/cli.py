@@ -88,4 +88,6 @@ def one_error(proc: subprocess.CompletedProcess) -> str:
 
 def train_config(*argv: str) -> TrainConfig:
     """The trainer's configuration for a command line, resolved as the trainer does (no process started)."""
-    return TrainConfig.from_args(build_parser().parse_args(list(argv)))
+    from glm53_ds.training.run_file import parse_with_config
+
+    return TrainConfig.from_args(parse_with_config(build_parser(), list(argv))[0])

@@ -61,27 +61,29 @@ def run_file_arguments(path: str) -> list[str]:
     GPU default (ZeRO 2, bf16); [planning] gpus as --world, gpu_memory as --gpu-memory."""
     trainer = build_parser()
     file_argv, _ = read_config(path, trainer)
-    run = trainer.parse_args(file_argv)
-    if run.load and not (run.hf_dir or run.model_config):
+    run = vars(trainer.parse_args(file_argv))  # options not given are absent (the trainer resolves defaults)
+    given = {key: value for key, value in run.items() if value is not None}
+    if given.get("load") and not (given.get("hf_dir") or given.get("model_config")):
         raise ValueError(f"--config {path}: the model is --load's; give [model] model_config for the planner")
-    out = ["--model-config", run.hf_dir or run.model_config or "tiny"]
+    out = ["--model-config", given.get("hf_dir") or given.get("model_config") or "tiny"]
     for name in ("ep", "etp", "sp", "seq_length", "micro_batch_size", "recompute", "lora_rank"):
-        value = getattr(run, name)
-        if value is not None:
-            out += [f"--{name.replace('_', '-')}", str(value)]
+        if name in given:
+            out += [f"--{name.replace('_', '-')}", str(given[name])]
     zero, bf16 = 2, True  # the trainer's default on a GPU
-    if run.deepspeed_config:
+    if given.get("deepspeed_config"):
         try:
-            with open(run.deepspeed_config, encoding="utf-8") as f:
+            with open(given["deepspeed_config"], encoding="utf-8") as f:
                 ds = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"--config {path}: deepspeed_config {run.deepspeed_config!r}: {e}") from e
+            raise ValueError(f"--config {path}: deepspeed_config {given['deepspeed_config']!r}: {e}") from e
         zero = int(ds.get("zero_optimization", {}).get("stage", 0))
         bf16 = bool(ds.get("bf16", {}).get("enabled", False))
-    out += ["--zero", str(zero)] + ([] if bf16 else ["--fp32"]) + (["--no-mtp"] if run.no_mtp else [])
-    if run.gpus is not None:
-        out += ["--world", str(run.gpus)]
-    return out + ["--gpu-memory", run.gpu_memory]
+    out += (
+        ["--zero", str(zero)] + ([] if bf16 else ["--fp32"]) + (["--no-mtp"] if given.get("no_mtp") else [])
+    )
+    if "gpus" in given:
+        out += ["--world", str(given["gpus"])]
+    return out + (["--gpu-memory", given["gpu_memory"]] if "gpu_memory" in given else [])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("optimization")
     o.add_argument("--train-iters", type=int)
     o.add_argument("--lr", type=float)
-    o.add_argument("--min-lr", type=float)
+    o.add_argument("--min-lr", type=float, help="the cosine decay's floor (default: --lr / 10)")
     o.add_argument("--warmup", type=int, help="linear warmup steps, then cosine decay to --min-lr")
     o.add_argument("--weight-decay", type=float)
     o.add_argument("--no-decay-pattern", help="regex of parameter names without weight decay, in addition to "

@@ -98,7 +98,7 @@ class TrainConfig:
     # optimization
     train_iters: int = 60
     lr: float = 3e-3
-    min_lr: float = 3e-4
+    min_lr: float = 3e-4  # the tiny job's; not given: --lr / 10
     warmup: int = 5
     weight_decay: float = 0.01
     no_decay_pattern: str | None = (
@@ -160,6 +160,24 @@ class TrainConfig:
         # defaults that follow the model, whichever route it came by (--hf-dir, --model-config, --load)
         cfg, name = resolve_model(config.hf_dir, config.model_config, config.load, config.load_tag)
         check_seq_length(config.seq_length, cfg)
+        missing = [option for option in RUN_SCALE_OPTIONS if option not in given]
+        if cfg.hidden_size >= REAL_WIDTH and missing:
+            raise SetupError(
+                f"{_model_option(config)} is a model of real width ({name}, hidden {cfg.hidden_size}): give "
+                f"{', '.join('--' + m.replace('_', '-') for m in missing)} (the defaults are the tiny CPU job's: "
+                f"{', '.join(f'{m} {getattr(cls, m)}' for m in missing)}), or start from a recipe: "
+                "--config recipes/<one>.toml (recipes/README.md)"
+            )
+        if (
+            "min_lr" not in given
+        ):  # the decay's floor follows --lr (a fine-tuning --lr below 3e-4 decayed upwards)
+            config = dataclasses.replace(
+                config, min_lr=float(f"{config.lr / 10:.12g}")
+            )  # 3e-3 -> 3e-4 exactly
+        elif config.min_lr > config.lr:
+            raise SetupError(
+                f"--min-lr {config.min_lr:g} is above --lr {config.lr:g}: the cosine decay would rise"
+            )
         if "router_bias_update_rate" not in given:
             # LoRA keeps the base as it is, the router's correction bias included (it is part of the base)
             rate = (
@@ -369,6 +387,18 @@ def resolve_model(
     route: the preset it equals, whichever way it came; else its source's base name."""
     if hf_dir:
         cfg, name = Glm53Config.from_hf(hf_dir), os.path.basename(os.path.normpath(hf_dir))
+        if model_config:  # e.g. a recipe's model beside the weights given on the command line: the same model
+            named = preset(model_config) if model_config in PRESETS else Glm53Config.from_hf(model_config)
+            theirs, mine = named.to_text_dict(), cfg.to_text_dict()
+            differ = sorted(
+                k for k in theirs.keys() | mine.keys() if k not in RUN_FIELDS and theirs.get(k) != mine.get(k)
+            )
+            if differ:
+                raise SetupError(
+                    f"--hf-dir {hf_dir} is not --model-config {model_config}: they differ in "
+                    f"{', '.join(f'{k} ({mine.get(k)!r} vs {theirs.get(k)!r})' for k in differ[:3])}"
+                    f"{' and more' if len(differ) > 3 else ''}; give one of them"
+                )
     elif model_config and model_config not in PRESETS:
         cfg = Glm53Config.from_hf(model_config)
         name = os.path.splitext(os.path.basename(model_config))[0]
@@ -389,6 +419,20 @@ def resolve_model(
     mine = {k: v for k, v in cfg.to_text_dict().items() if k not in RUN_FIELDS}
     same = [n for n, make in PRESETS.items() if {k: v for k, v in make().to_text_dict().items() if k not in RUN_FIELDS} == mine]  # fmt: skip
     return cfg, same[0] if same else name
+
+
+# A model this wide is not a toy: the tiny CPU job's defaults of these options (64-token rows, lr 3e-3, 60 steps,
+# the shipped 40 KB corpus) would make a run that means nothing, so they must be given (flags or --config).
+REAL_WIDTH = 1024
+RUN_SCALE_OPTIONS = ("data", "seq_length", "micro_batch_size", "lr", "train_iters")
+
+
+def _model_option(config: TrainConfig) -> str:
+    if config.hf_dir:
+        return f"--hf-dir {config.hf_dir}"
+    if config.model_config:
+        return f"--model-config {config.model_config}"
+    return f"--load {config.load}"
 
 
 # Config fields a run may set itself (they do not make another model).

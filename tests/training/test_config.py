@@ -141,3 +141,37 @@ def test_a_missing_tokenizer_is_one_error_naming_the_option(tmp_path):
     write_hf_checkpoint(hf, tiny())
     error = one_error(run(*QUICK, "--hf-dir", str(hf), "--output-dir", str(tmp_path / "o")))
     assert f"--tokenizer '{hf}': no tokenizer there" in error and "--tokenizer bytes" in error, error
+
+
+def test_a_real_width_model_never_takes_the_tiny_jobs_defaults(tmp_path):
+    """Before: `--hf-dir <the released model>` without --seq-length / --lr / --train-iters / --data ran the tiny CPU
+    job's 64-token rows at lr 3e-3 for 60 steps on the shipped 40 KB corpus, without a word. A model of real width
+    now needs them given (one error naming each, and the recipes); a given --lr sets the decay's floor (it decayed
+    upwards to the tiny job's 3e-4 before). Control: a toy model keeps the tiny defaults."""
+    from glm53_ds.training.config import SetupError
+    from glm53_ds.training.presets import preset
+
+    released = tmp_path / "GLM-5.3-Flash"
+    released.mkdir()
+    (released / "config.json").write_text(json.dumps(preset("glm-5.3-flash").to_text_dict()))
+    base = ["--hf-dir", str(released), "--tokenizer", "bytes", "--output-dir", str(tmp_path / "o")]
+    with pytest.raises(SetupError) as caught:
+        train_config(*base, "--lr", "1e-5")
+    message = str(caught.value)
+    assert message.startswith(f"--hf-dir {released} is a model of real width (glm-5.3-flash, hidden 4096): give "
+                              "--data, --seq-length, --micro-batch-size, --train-iters (the defaults are the tiny "
+                              "CPU job's: ")  # fmt: skip
+    assert "--config recipes/" in message and "--lr," not in message
+    given = ["--data", os.path.join(ROOT, "data", "tiny_corpus.txt"), "--seq-length", "8192", "--micro-batch-size",
+             "1", "--train-iters", "100", "--lr", "1e-5"]  # fmt: skip
+    config = train_config(*base, *given)
+    assert config.lr == 1e-5 and config.min_lr == pytest.approx(1e-6)
+    with pytest.raises(SetupError, match="--min-lr 0.001 is above --lr 1e-05"):
+        train_config(*base, *given, "--min-lr", "1e-3")
+    # the recipe's --model-config beside the weights: the same model, or one error naming the difference
+    assert train_config(*base, *given, "--model-config", "glm-5.3-flash").hf_dir == str(released)
+    with pytest.raises(SetupError, match=r"is not --model-config tiny: they differ in "):
+        train_config(*base, *given, "--model-config", "tiny")
+    # control: the tiny preset (and any toy) keeps the tiny job's defaults
+    tiny = train_config("--output-dir", str(tmp_path / "t"))
+    assert (tiny.seq_length, tiny.lr, tiny.min_lr, tiny.train_iters) == (64, 3e-3, 3e-4, 60)

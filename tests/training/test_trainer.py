@@ -210,6 +210,10 @@ def test_router_bias_rate_defaults_by_preset(tmp_path):
     def rate(*argv: str) -> float:
         return TrainConfig.from_args(build_parser().parse_args(list(argv))).router_bias_update_rate
 
+    # what a model of real width must be given (tests/training/test_config.py)
+    REAL_WIDTH_RUN = ["--data", os.path.join(ROOT, "data", "tiny_corpus.txt"), "--seq-length", "4096",
+                      "--micro-batch-size", "1", "--lr", "1e-5", "--train-iters", "10"]  # fmt: skip
+
     # the preset's rate follows the model, whichever route it came by (issue 25: tests/training/test_config.py)
     assert rate() == rate("--model-config", "tiny") == 1e-2
     assert (
@@ -218,7 +222,9 @@ def test_router_bias_rate_defaults_by_preset(tmp_path):
         == 1e-2
     )
     assert (
-        rate("--model-config", "glm-5.3-flash") == rate("--model-config", str(tmp_path / "wide.json")) == 1e-3
+        rate("--model-config", "glm-5.3-flash", *REAL_WIDTH_RUN)
+        == rate("--model-config", str(tmp_path / "wide.json"))
+        == 1e-3
     )
     assert rate("--router-bias-update-rate", "0") == 0.0
 
