@@ -26,6 +26,9 @@ HANG_TIMEOUT = 900
 def deepspeed_run(
     ranks: int, *args: str, env: dict | None = None, timeout: int = HANG_TIMEOUT, script: str = TRAIN
 ) -> subprocess.CompletedProcess:
+    from tests.conftest import refuse_in_the_fast_lane
+
+    refuse_in_the_fast_lane(f"starts {ranks} ranks through DeepSpeed's launcher")
     port = free_port()
     cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(port), script, *args]
     try:

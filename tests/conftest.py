@@ -4,6 +4,7 @@ Without a GPU the Triton kernels run in Triton's interpreter, which `triton.jit`
 the variable is set here, before any test imports the kernel module.
 """
 
+import inspect
 import os
 
 import pytest
@@ -26,3 +27,35 @@ def checkpoints(tmp_path_factory):
     save_tiny_hf(full, CONFIG_A)
     save_tiny_hf(calm, CONFIG_A, matrix_scale=0.3)
     return str(full), str(calm)
+
+
+# The fast lane (-m "not slow") by rule, not by hand: a test that spawns ranks (DeepSpeed's launcher or the
+# multi-process harness) is slow. Collection marks a test whose source calls one of these; at run time the two
+# spawners refuse to start from a test left unmarked (a call through a helper), so the rule cannot be missed.
+SPAWNS_RANKS = ("run_world(", "deepspeed_run(")
+FAST_LANE_TEST = "GLM53_TEST_NOT_SLOW"  # set while a test not marked slow runs
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        function = getattr(item, "function", None)
+        try:
+            source = inspect.getsource(function) if function is not None else ""
+        except (OSError, TypeError):
+            source = ""
+        if any(call in source for call in SPAWNS_RANKS) and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _fast_lane_spawns_no_ranks(request, monkeypatch):
+    if request.node.get_closest_marker("slow") is None:
+        monkeypatch.setenv(FAST_LANE_TEST, request.node.nodeid)
+    yield
+
+
+def refuse_in_the_fast_lane(what: str) -> None:
+    """Called by the spawners (tests/cli.py, tests/dist_harness.py)."""
+    test = os.environ.get(FAST_LANE_TEST)
+    if test:
+        raise AssertionError(f"{test} {what} but is not marked slow (tests/conftest.py: SPAWNS_RANKS)")

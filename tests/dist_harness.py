@@ -107,6 +107,9 @@ def run_world(
     """Run `scenario(**kwargs)` on `world` ranks; every rank's result, in rank order.
 
     A rendezvous port taken between choosing and binding it (EADDRINUSE) is retried with a new port."""
+    from tests.conftest import refuse_in_the_fast_lane
+
+    refuse_in_the_fast_lane(f"starts {world} ranks (tests/dist_harness.py)")
     if not callable(scenario) or scenario.__name__.startswith("test_"):
         raise TypeError(f"run_world: the scenario is a module-level function (not a test), got {scenario!r}")
     os.makedirs(out_dir, exist_ok=True)

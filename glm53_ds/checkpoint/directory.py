@@ -21,7 +21,7 @@ import torch
 
 from ..config import Glm53Config
 from ..parallel.expert_shard import ExpertShard
-from ..safe_io import MANIFEST, read_manifest, unlisted_files, verify_files
+from ..safe_io import MANIFEST, atomic_write_text, read_manifest, unlisted_files, verify_files
 from .placement import (
     REPLICATED,
     TensorPlacement,
@@ -59,13 +59,27 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded as it is; the message names the file."""
 
 
+LATEST = (
+    "latest"  # <checkpoint dir>/latest: the name of its newest tag (read and written only in checkpoint/)
+)
+
+
+def has_latest(load_dir: str) -> bool:
+    return os.path.isfile(os.path.join(load_dir, LATEST))
+
+
 def latest_tag(load_dir: str) -> str:
     """The tag `<load_dir>/latest` names (the one reading of that file)."""
-    path = os.path.join(load_dir, "latest")
+    path = os.path.join(load_dir, LATEST)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint in {load_dir!r}: the file 'latest' is missing")
     with open(path, encoding="utf-8") as f:
         return f.read().strip()
+
+
+def write_latest(save_dir: str, tag: str) -> None:
+    """Point `<save_dir>/latest` at `tag` (atomically: the old name or the new one, never a part)."""
+    atomic_write_text(os.path.join(save_dir, LATEST), tag)
 
 
 def resolve(path: str, tag: str | None = None) -> tuple[str, str]:
@@ -76,7 +90,7 @@ def resolve(path: str, tag: str | None = None) -> tuple[str, str]:
             return path, os.path.join(path, MODEL_DIR)
         if os.path.isfile(os.path.join(path, LAYOUT)):  # a tag's glm53/ itself
             return os.path.dirname(os.path.normpath(path)) or ".", path
-        if not os.path.isfile(os.path.join(path, "latest")):
+        if not has_latest(path):
             raise FileNotFoundError(f"{path!r} is not a glm53_ds checkpoint (no {LAYOUT}, no 'latest')")
         tag = latest_tag(path)
     tag_dir = os.path.join(path, tag)

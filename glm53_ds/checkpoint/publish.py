@@ -20,7 +20,6 @@ from typing import Any
 import torch.distributed as dist
 
 from ..safe_io import (
-    atomic_write_text,
     describe_files,
     fsync_path,
     list_files,
@@ -30,7 +29,7 @@ from ..safe_io import (
     verify_files,
     write_manifest,
 )
-from .directory import MODEL_DIR, CheckpointError, latest_tag, mark_verified
+from .directory import MODEL_DIR, CheckpointError, latest_tag, mark_verified, write_latest
 
 
 def from_rank0(value: Any) -> Any:
@@ -119,7 +118,7 @@ class StagedTag:
                 os.unlink(old)  # a tag that was a link: the link goes, what it pointed at stays
             elif old is not None:
                 shutil.rmtree(old)
-            atomic_write_text(os.path.join(save_dir, "latest"), self.tag)
+            write_latest(save_dir, self.tag)
         dist.barrier()
         return final
 

@@ -19,13 +19,13 @@ import torch
 from tqdm import tqdm
 
 from ..checkpoint import DEFAULT_SHARD_BYTES, ShardWriter, expert_set_name, placement, write_layout
+from ..checkpoint.directory import write_latest
 from ..checkpoint.placement import copies, index_placement
 from ..checkpoint.safetensors_file import SafetensorsSet, check_plain_file_name
 from ..config import Glm53Config
 from ..model import build_model
 from ..parallel.expert_shard import ExpertShard, expert_tensor_kind
 from ..safe_io import (
-    atomic_write_text,
     check_output_dir,
     describe_files,
     list_files,
@@ -270,7 +270,7 @@ def hf_to_native(
         shutil.copyfile(os.path.join(hf_dir, "config.json"), os.path.join(root, "hf_config.json"))
         tag_dir = os.path.join(tmp, NATIVE_TAG)
         write_manifest(tag_dir, describe_files(tag_dir, list_files(tag_dir)))  # what --load verifies first
-        atomic_write_text(os.path.join(tmp, "latest"), NATIVE_TAG)
+        write_latest(tmp, NATIVE_TAG)
     return out
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint import CheckpointDir
+from ..checkpoint.directory import has_latest, latest_tag
 from ..config import Glm53Config
 from ..layers.lora import LORA_TARGETS, LoraSpec
 from ..safe_io import OutputPathError, check_output_dir, published_tags
@@ -301,7 +302,7 @@ class TrainConfig:
                     raise SetupError(
                         f"--load {self.load!r}: no checkpoint there (tag {self.load_tag!r} is missing)"
                     )
-            elif not os.path.isfile(os.path.join(self.load, "latest")):
+            elif not has_latest(self.load):
                 raise SetupError(f"--load {self.load!r}: no checkpoint there (the file 'latest' is missing)")
         if self.deepspeed_config and not os.path.isfile(self.deepspeed_config):
             raise SetupError(f"--deepspeed_config {self.deepspeed_config!r}: no such file")
@@ -365,12 +366,8 @@ class TrainConfig:
             self.save or ""
         )
         if tags and not resumes_here and not self.save_into_existing:
-            latest = os.path.join(self.save or "", "latest")
             shown = ", ".join(tags[:6]) + (f", ... ({len(tags)} tags)" if len(tags) > 6 else "")
-            pointer = ""
-            if os.path.isfile(latest):
-                with open(latest, encoding="utf-8") as f:
-                    pointer = f"; latest: {f.read().strip()}"
+            pointer = f"; latest: {latest_tag(self.save or '')}" if has_latest(self.save or "") else ""
             raise SetupError(
                 f"--save {self.save!r} already holds checkpoints ({shown}{pointer}) that this run did not write; "
                 f"starting there would replace them. Resume from them with --load {self.save}, give another --save, "

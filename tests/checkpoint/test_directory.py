@@ -4,11 +4,13 @@ inside the checkpoint."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
 
 from glm53_ds import safe_io
+from tests.cli import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +86,29 @@ def test_index_entries_stay_inside_the_checkpoint(converted, tmp_path):
     with pytest.raises(ValueError, match="a path outside the checkpoint directory"):
         safe_io.write_manifest(str(tag), entries | {"../elsewhere.bin": {"size": 1, "crc32": "0"}})
         safe_io.read_manifest(str(tag))
+
+
+def _latest_literals(source: str) -> int:
+    import ast
+
+    return sum(isinstance(n, ast.Constant) and n.value == "latest" for n in ast.walk(ast.parse(source)))
+
+
+def test_the_latest_file_is_read_and_written_only_in_checkpoint():
+    """`<dir>/latest` has one reader and one writer (checkpoint/directory.py); before, training/config.py and
+    convert/import_hf.py opened it themselves. Control: a module joining "latest" itself is found."""
+    root = os.path.join(ROOT, "glm53_ds")
+    offenders = []
+    for directory, _, files in os.walk(root):
+        if os.path.relpath(directory, root).split(os.sep)[0] == "checkpoint":
+            continue
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(directory, name)
+                if _latest_literals(open(path, encoding="utf-8").read()):
+                    offenders.append(os.path.relpath(path, ROOT))
+    assert offenders == []
+    assert _latest_literals('open(os.path.join(load, "latest")).read()') == 1
+    assert (
+        _latest_literals("help=\"resume from its 'latest' tag\"") == 0
+    )  # words in a help text are not a path
