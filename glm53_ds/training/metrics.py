@@ -6,13 +6,17 @@ keys: `Trainer.evaluate`); TensorBoard and Weights & Biases (optional, `WandbRun
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..safe_io import atomic_write_text
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -172,3 +176,32 @@ def plot_loss(metrics_path: str, png_path: str) -> None:
     fig.savefig(tmp)
     plt.close(fig)
     os.replace(tmp, png_path)
+
+
+def format_record(record: dict[str, Any]) -> str:
+    """A metrics record as a log line, under the names metrics.jsonl and TensorBoard use (`loss` is the total that
+    is trained: lm_loss + mtp_loss_weight x mtp_loss (+ auxiliary losses))."""
+    parts = [f"step {record['step']}", f"lm_loss {record['lm_loss']:.4f}"]
+    if "mtp_loss" in record:
+        parts.append(f"mtp_loss {record['mtp_loss']:.4f}")
+    parts += [f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}"]
+    if record.get("grad_norm") is not None:
+        parts.append(f"grad_norm {record['grad_norm']:.3f}")
+    per_gpu = record.get("tokens_per_s_per_gpu")
+    parts.append(
+        f"{record['tokens_per_s']:.0f} tok/s" + (f" ({per_gpu:.0f}/GPU)" if per_gpu is not None else "")
+    )
+    if record.get("tflops_per_gpu") is not None:
+        parts.append(f"{record['tflops_per_gpu']:.3g} TFLOP/s/GPU")
+    if record.get("mfu") is not None:
+        parts.append(f"MFU {record['mfu']:.1%}")
+    if record.get("moe_imbalance") is not None:
+        parts.append(f"moe_imbalance {record['moe_imbalance']:.2f}")
+    return " | ".join(parts)
+
+
+def loggable(config: TrainConfig) -> dict[str, Any]:
+    """The run's options as a W&B run configuration (plain values)."""
+    return {
+        k: v for k, v in dataclasses.asdict(config).items() if isinstance(v, str | int | float | bool | None)
+    }

@@ -1,0 +1,224 @@
+"""What a run takes from its --load checkpoint and its LoRA base, checked before the model is built: the global
+batch it keeps, the adapters it resumes (the same ones, or refused), the base weights they were trained on (by
+full checksum), the data position (over the same data only), the step, the RNG and the learning-rate schedule
+(a change announced). `ResumeChecks` is part of the `Trainer` (trainer.py); checkpoints record
+`schedule_record` and `lora_record`."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..checkpoint import CheckpointDir
+from ..checkpoint.base_weights import HF, NATIVE, base_record, check_base, describe_base
+from ..checkpoint.publish import shared_checksums
+from ..engine import read_client_state
+from ..layers.lora import LoraSpec, is_lora_param
+from .config import SetupError, TrainConfig
+from .packing import PackedRowStream
+from .run_plan import RunPlan, agreed, or_setup_error
+
+if TYPE_CHECKING:
+    from .data import SampleStream
+
+
+class ResumeChecks:
+    """The `Trainer`'s resume and LoRA-base steps (the attributes below are the Trainer's)."""
+
+    config: TrainConfig
+    rank: int
+    load_tag: str | None
+    base_only: bool
+    base: dict[str, Any] | None
+    weights_dir: str | None
+    base_checkpoint: tuple[str, str] | None
+    stream: SampleStream | PackedRowStream | None
+    valid: SampleStream | PackedRowStream | None
+    start_step: int
+    consumed: int
+
+    @property
+    def plan(self) -> RunPlan:
+        raise NotImplementedError
+
+    def _say(self, line: str) -> None:
+        raise NotImplementedError
+
+    def _saved_global_batch(self) -> int | None:
+        """The global batch the --load checkpoint trained with (a training checkpoint resumed whole), which the run
+        keeps unless --global-batch-size gives another (announced in one line). Checkpoints saved before it was
+        recorded: consumed samples / steps."""
+        c = self.config
+        if not c.load or c.load_model_only or self.base_only:
+            return None
+        client = or_setup_error(lambda: read_client_state(c.load, str(self.load_tag)), alike=True)
+        step, consumed = int(client.get("step", 0)), int(client.get("consumed_samples", 0))
+        saved = client.get("global_batch_size") or (
+            consumed // step if step and consumed % step == 0 else None
+        )
+        if saved and c.global_batch_size and c.global_batch_size != saved and self.rank == 0:
+            print(f"--global-batch-size {c.global_batch_size}: the checkpoint trained with {saved} sequences per "
+                  f"step; this run continues with {c.global_batch_size}", file=sys.stderr)  # fmt: skip
+        return int(saved) if saved else None
+
+    def _lora_against_load(self) -> bool:
+        """Whether --load gives a LoRA run its base only (a checkpoint without adapters: fresh adapters, optimizer
+        state and step 0). A checkpoint holding adapters resumes only with the same ones (rank, alpha, dropout,
+        targets): anything else would silently change the experiment, so it is refused, naming both."""
+        c = self.config
+        mine = lora_record(c.lora_spec())
+        held = any(is_lora_param(k) for k in CheckpointDir(c.load or "", str(self.load_tag)).keys())
+        if not held:
+            return mine is not None
+        stored = read_client_state(c.load or "", str(self.load_tag)).get("lora")
+        if stored != mine:
+            raise SetupError(
+                f"--load {c.load}: the checkpoint holds LoRA adapters ({_describe_lora(stored)}); this run asks for "
+                f"{_describe_lora(mine)}. Give the same --lora-rank / --lora-alpha / --lora-dropout / --lora-targets "
+                "to resume it, or export it merged (--export-hf) and start from that"
+            )
+        return False
+
+    def _find_base(self) -> None:
+        """A LoRA run's base (`self.base`) and where its weights come from. A fresh run's: --hf-dir, or --load of a
+        checkpoint without adapters. A run resuming an adapter checkpoint (adapters without their base): the base
+        it records, from --hf-dir when given, else from the recorded path (announced); either is checked file by
+        file against the record (other base weights would silently change what the adapters mean). The checksums
+        of a released-layout base are spread over the ranks (`shared_checksums`)."""
+        c = self.config
+        source = agreed(self._base_source)
+        if source is None:
+            return
+        kind, path, tag, recorded, option = source
+        try:
+            given = base_record(kind, path, tag, checksums=shared_checksums)
+        except (OSError, ValueError) as e:  # alike on every rank (the checksums' failures are gathered)
+            if recorded is not None and not c.hf_dir:
+                message = (f"--load {c.load}: the adapters' base weights, {describe_base(recorded)}, cannot be read "
+                           f"({e}); give the base with --hf-dir")  # fmt: skip
+            else:
+                message = f"{option}: the base weights cannot be read ({e})"
+            error = SetupError(message)
+            error.agreed = True  # type: ignore[attr-defined]
+            raise error from e
+        if recorded is not None:
+            notice = agreed(lambda: check_base(recorded, given, option))
+            if notice:
+                self._say(notice)
+            if given["kind"] == HF:
+                self.weights_dir = given["path"]
+            else:
+                self.base_checkpoint = (given["path"], given["tag"])
+        self.base = given
+
+    def _base_source(self) -> tuple[str, str, str | None, dict[str, Any] | None, str] | None:
+        """(kind, path, tag, the record to check it against or None, the option that gave it) of a LoRA run's base;
+        None where there is none to record (random initial weights) or the checkpoint holds its base too."""
+        c = self.config
+        ckpt = CheckpointDir(c.load, str(self.load_tag)) if c.load else None
+        if ckpt is None or self.base_only:
+            if ckpt is not None:
+                return NATIVE, str(c.load), self.load_tag, None, f"--load {c.load}"
+            return (HF, c.hf_dir, None, None, f"--hf-dir {c.hf_dir}") if c.hf_dir else None
+        recorded = read_client_state(str(c.load), str(self.load_tag)).get("base")
+        if not ckpt.adapters_only:  # a LoRA checkpoint holding its base too
+            self.base = recorded
+            return None
+        if recorded is None:
+            raise SetupError(f"--load {c.load}: an adapter checkpoint that does not record its base weights")
+        if c.hf_dir:
+            return HF, c.hf_dir, None, recorded, f"--hf-dir {c.hf_dir}"
+        return (
+            recorded["kind"],
+            recorded["path"],
+            recorded.get("tag"),
+            recorded,
+            f"--load {c.load} (the base it records)",
+        )
+
+    def _check_resume_data(self, client: dict[str, Any]) -> None:
+        """Before any model is built: a training checkpoint resumes only over the same data (its identity: corpus,
+        sample length, seed, the sample range --valid-split leaves to training); anything else would re-read or
+        skip samples, or train on held-out ones, so it is refused naming the option."""
+        assert self.stream is not None
+        c = self.config
+        if int(client.get("step", 0)) == 0:
+            return
+        if "consumed_samples" not in client:
+            raise SetupError(f"--load {c.load}: the checkpoint does not record its data position (consumed "
+                             "samples); it predates this trainer")  # fmt: skip
+        stored = dict(client.get("data", {}))
+        if (
+            "samples" not in stored
+        ):  # written before the range was recorded always: unsplit runs read it whole
+            held = self.valid.num_samples if c.valid_split and self.valid is not None else 0
+            stored["samples"] = [0, self.stream.num_samples + held]
+        if stored["samples"] != self.stream.identity["samples"]:
+            saved_range, this_range = list(stored["samples"]), list(self.stream.identity["samples"])  # type: ignore[call-overload]
+            (a, b), (x, y) = saved_range, this_range
+            raise SetupError(
+                f"--valid-split {c.valid_split:g}: this run trains on samples [{x}, {y}) of --data, the checkpoint "
+                f"trained on [{a}, {b}) (another --valid-split); resuming would train on held-out samples or skip "
+                "some. Resume with the checkpoint's --valid-split, or start from its weights with --load-model-only"
+            )
+        unrecorded = [k for k in self.stream.identity if k not in stored]
+        if unrecorded and self.rank == 0:  # saved before glm53_ds recorded them
+            print(f"--load {c.load}: the checkpoint does not record the data's {', '.join(unrecorded)}; those are "
+                  "not checked", file=sys.stderr)  # fmt: skip
+        differ = {
+            k: (v, stored[k]) for k, v in self.stream.identity.items() if k in stored and stored[k] != v
+        }
+        if differ:
+            shown = ", ".join(
+                f"{k} {now} here, {then} in the checkpoint" for k, (now, then) in differ.items()
+            )
+            raise SetupError(
+                f"--load {c.load}: the data differs from the checkpoint's ({shown}); resuming would re-read or skip "
+                "samples (use the same --data, --seq-length and --seed, or start from its weights with "
+                "--load-model-only: fresh optimizer state, step 0)"
+            )
+
+    def _resume(self, client: dict[str, Any]) -> None:
+        """Step, data position (consumed samples), RNG from a training checkpoint (its data checked in set-up); a
+        converted (model-only) one starts at step 0. A schedule that differs from the checkpoint's is announced."""
+        c = self.config
+        self.start_step = int(client.get("step", 0))
+        where = os.path.join(c.load or "", str(self.load_tag))
+        if self.start_step == 0:
+            what = "the base weights" if self.base_only else "the weights"
+            fresh = "fresh LoRA adapters, " if self.base_only else ""
+            self._say(f"loaded {what} of {where} ({fresh}fresh optimizer state, step 0, data from the start)")
+            return
+        self.consumed = int(client["consumed_samples"])
+        if "rng" in client:
+            torch.set_rng_state(client["rng"])
+        self._say(f"resumed from {where}: step {self.start_step}, {self.consumed} consumed samples, global batch "
+                  f"{self.plan.global_batch}")  # fmt: skip
+        saved = client.get("schedule")
+        if saved and saved != schedule_record(c):
+            before = dataclasses.replace(c, **saved).lr_at(self.start_step)
+            changed = ", ".join(f"--{k.replace('_', '-')} {saved[k]} -> {v}" for k, v in schedule_record(c).items()
+                                if saved.get(k) != v)  # fmt: skip
+            self._say(f"learning-rate schedule: {changed} (the checkpoint's); at step {self.start_step} the "
+                      f"learning rate is {c.lr_at(self.start_step):.3g} (it would have been {before:.3g})")  # fmt: skip
+
+
+def schedule_record(config: TrainConfig) -> dict[str, Any]:
+    """What fixes the learning rate at each step (`TrainConfig.lr_at`), recorded by checkpoints."""
+    return {k: getattr(config, k) for k in ("lr", "min_lr", "warmup", "train_iters")}
+
+
+def lora_record(spec: LoraSpec | None) -> dict[str, Any] | None:
+    """What a checkpoint records of a run's LoRA adapters, None without."""
+    return None if spec is None else spec.record()
+
+
+def _describe_lora(record: dict[str, Any] | None) -> str:
+    if record is None:
+        return "no LoRA adapters"
+    return (f"rank {record['rank']}, alpha {record['alpha']:g}, dropout {record['dropout']:g}, targets "
+            f"{','.join(record['targets'])}")  # fmt: skip
