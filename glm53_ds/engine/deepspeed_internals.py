@@ -135,6 +135,14 @@ def register_expert_groups(layout: ParallelLayout) -> None:
     groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = dist.get_process_group_ranks(layout.expert_dp_group)
 
 
+def forget_expert_groups() -> None:
+    """Drop the groups `register_expert_groups` gave DeepSpeed (the world is being closed): held there, they and
+    their gloo threads would outlive it."""
+    for registry in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
+                     groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):  # fmt: skip
+        registry.clear()
+
+
 # ----------------------------------------------------------------------------- 2. the MoE marker
 class DeepSpeedMoEMarker(MoE):
     """Tells the DeepSpeed engine that the model has MoE layers; holds nothing and never runs.
