@@ -59,22 +59,3 @@ def refuse_in_the_fast_lane(what: str) -> None:
     test = os.environ.get(FAST_LANE_TEST)
     if test:
         raise AssertionError(f"{test} {what} but is not marked slow (tests/conftest.py: SPAWNS_RANKS)")
-
-
-@pytest.fixture(autouse=True)
-def _no_process_group_left_behind():
-    """Each in-process world (and every group a layout made in it) ends with its test. Left alone, gloo's groups
-    outlived their tests with their threads (two per group, each polling): a full run's pytest process reached
-    2,383 threads and spent its CPU in them, which slowed every later test (the suite took 27-65 minutes, then
-    timed out)."""
-    yield
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        from megatron.core import parallel_state
-
-        from glm53_ds.engine import close_distributed
-
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        close_distributed()
