@@ -4,7 +4,7 @@
         [--sp S] [--micro-batch-size M] [--recompute none|selective|full] [--lora-rank 16] [--fp32]
         [--gpu-memory 141GB] [--json]
     python -m glm53_ds.plan --search --seq-length 32768 [--lora-rank 16] [--gpu-memory 80GB]
-    python -m glm53_ds.plan --config recipes/lora_r16_8xh200.toml     # the trainer's run file ([planning] gpus)
+    python -m glm53_ds.plan --config recipes/lora_r16_8xh200_8k.toml  # the trainer's run file ([planning] gpus)
 
 Prints per rank: the parameters held by kind (exact: the model built on the meta device), the bytes of weights,
 gradients, fp32 masters and Adam moments as the engine holds them (state.py), the activations per layer kind with

@@ -169,12 +169,9 @@ class TrainConfig:
                 f"{', '.join(f'{m} {getattr(cls, m)}' for m in missing)}), or start from a recipe: "
                 "--config recipes/<one>.toml (recipes/README.md)"
             )
-        if (
-            "min_lr" not in given
-        ):  # the decay's floor follows --lr (a fine-tuning --lr below 3e-4 decayed upwards)
-            config = dataclasses.replace(
-                config, min_lr=float(f"{config.lr / 10:.12g}")
-            )  # 3e-3 -> 3e-4 exactly
+        if "min_lr" not in given:  # the floor follows --lr (a fine-tuning --lr decayed upwards to 3e-4)
+            tenth = float(f"{config.lr / 10:.12g}")  # decimal: 3e-3 -> 3e-4 exactly
+            config = dataclasses.replace(config, min_lr=tenth)
         elif config.min_lr > config.lr:
             raise SetupError(
                 f"--min-lr {config.min_lr:g} is above --lr {config.lr:g}: the cosine decay would rise"
