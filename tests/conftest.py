@@ -4,8 +4,10 @@ Without a GPU the Triton kernels run in Triton's interpreter, which `triton.jit`
 the variable is set here, before any test imports the kernel module.
 """
 
+import gc
 import inspect
 import os
+import weakref
 
 import pytest
 import torch
@@ -27,6 +29,43 @@ def checkpoints(tmp_path_factory):
     save_tiny_hf(full, CONFIG_A)
     save_tiny_hf(calm, CONFIG_A, matrix_scale=0.3)
     return str(full), str(calm)
+
+
+# In-process engines: released after the test that built them, with the world they ran in. DeepSpeed's gradient
+# hooks keep an engine, its model and its process groups alive from C++ until the engine is closed, and every
+# in-process world adds its own groups: left alone, each engine test left ~50-100 gloo threads polling in the
+# pytest process (2,400 threads by the end of a full run, most of its CPU spent there).
+_ENGINES_BUILT: list = []
+
+
+def pytest_configure(config):
+    from glm53_ds.engine.handle import Glm53Engine
+
+    built = Glm53Engine.__init__
+
+    def recorded(self, *args, **kwargs):
+        built(self, *args, **kwargs)
+        _ENGINES_BUILT.append(weakref.ref(self))  # weak: a test may free its engine itself
+
+    Glm53Engine.__init__ = recorded  # type: ignore[method-assign]
+
+
+@pytest.fixture(autouse=True)
+def _in_process_engines_released():
+    yield
+    if not _ENGINES_BUILT:
+        return  # a world a module's fixture built (tests/layers/test_documents.py) is kept for its next test
+    from megatron.core import parallel_state
+
+    from glm53_ds.engine import close_distributed
+
+    while _ENGINES_BUILT:
+        engine = _ENGINES_BUILT.pop()()
+        if engine is not None:
+            engine.close()
+    parallel_state.destroy_model_parallel()
+    close_distributed()
+    gc.collect()  # the engines' models and groups sit in reference cycles: their threads end when collected
 
 
 # The fast lane (-m "not slow") by rule, not by hand: a test that spawns ranks (DeepSpeed's launcher or the

@@ -87,6 +87,14 @@ def test_output_paths_probe_and_never_delete(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["t"]  # the failed output and its temporary directory are gone
 
 
+_WRITER_RECORD = """
+import importlib.util, json, os, sys
+spec = importlib.util.spec_from_file_location("safe_io", sys.argv[1])
+safe_io = importlib.util.module_from_spec(spec); spec.loader.exec_module(safe_io)
+print(json.dumps([os.getpid(), safe_io._process_start(os.getpid())]))
+"""
+
+
 def test_the_writer_lock_and_its_stale_rule(tmp_path):
     """One writer per directory: a running owner (this process) is refused; a killed run's file (a dead pid of this
     host, or a record left empty or half-written) is taken over; another host's record is refused; a release
@@ -102,15 +110,16 @@ def test_the_writer_lock_and_its_stale_rule(tmp_path):
     owner = json.loads(lock_path.read_text())
     first.release()
     assert not lock_path.exists()
+    # a killed run's record, with its start time as a run writes it: the pid may be reused by the time it is read
+    # (a busy machine's threads take pids too), the start time then tells them apart
     dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+        [sys.executable, "-c", _WRITER_RECORD, safe_io.__file__], capture_output=True, text=True
     )
-    lock_path.write_text(
-        json.dumps(dict(owner, pid=int(dead.stdout), started=None, run="x"))
-    )  # a killed run's
+    pid, started = json.loads(dead.stdout)
+    lock_path.write_text(json.dumps(dict(owner, pid=pid, started=started, run="x")))
     second = safe_io.DirectoryLock(str(tmp_path), "--save")
     notice = second.acquire()
-    assert notice is not None and f"stale lock of pid {int(dead.stdout)}" in notice
+    assert notice is not None and f"stale lock of pid {pid}" in notice
     assert json.loads(lock_path.read_text())["run"] == second.run_id
     second.release()
     for left in ("", '{"host": "x", "pi'):  # a writer killed before or while writing its record

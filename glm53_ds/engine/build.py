@@ -37,7 +37,7 @@ from ..parallel.state import default_backend, free_port
 from .deepspeed_internals import (
     DeepSpeedMoEMarker,
     check_version,
-    forget_expert_groups,
+    forget_deepspeed_groups,
     install_fp32_params,
     install_gradient_sync,
     install_step_guard,
@@ -97,7 +97,7 @@ def close_distributed() -> None:
     """Destroy the process groups before the interpreter exits. Left to interpreter teardown, gloo's worker
     threads are sometimes destroyed while joinable and the process aborts ("terminate called without an active
     exception", exit status 250 through DeepSpeed's launcher) after the trainer has returned its own code."""
-    forget_expert_groups()
+    forget_deepspeed_groups()
     if dist.is_initialized():
         dist.destroy_process_group()
     while _LAUNCHER_VARIABLES_SET:  # the next run in this process picks its own free port

@@ -70,6 +70,8 @@ PATCHED_SYMBOLS = (
     PatchedSymbol("deepspeed.utils.groups._EXPERT_DATA_PARALLEL_GROUP", "written",
                   "megatron's expert-data-parallel group: ZeRO partitions expert parameters over it"),
     PatchedSymbol("deepspeed.utils.groups._EXPERT_DATA_PARALLEL_GROUP_RANKS", "written", "its ranks"),
+    PatchedSymbol("deepspeed.utils.groups.mpu", "written",
+                  "set to None when the world closes: the engine registered glm53_ds's mpu there, which holds every group"),
     PatchedSymbol("deepspeed.moe.layer.MoE", "subclassed",
                   "a parameter-less marker (its `__init__` skipped) that turns on the engine's MoE paths"),
     PatchedSymbol("DeepSpeedEngine._reduce_non_expert_gradients", "wrapped",
@@ -135,12 +137,14 @@ def register_expert_groups(layout: ParallelLayout) -> None:
     groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = dist.get_process_group_ranks(layout.expert_dp_group)
 
 
-def forget_expert_groups() -> None:
-    """Drop the groups `register_expert_groups` gave DeepSpeed (the world is being closed): held there, they and
-    their gloo threads would outlive it."""
+def forget_deepspeed_groups() -> None:
+    """Drop what DeepSpeed's group registry holds of this world (it is being closed): the groups
+    `register_expert_groups` gave it and the mpu the engine registered (which holds the layout, so every group).
+    Held there, they and their gloo threads (about 50 per engine on CPU) would outlive the world."""
     for registry in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
                      groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):  # fmt: skip
         registry.clear()
+    groups.mpu = None
 
 
 # ----------------------------------------------------------------------------- 2. the MoE marker

@@ -8,7 +8,7 @@ DeepSpeed engine itself, for anything else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ class Glm53Engine:
     layout: ParallelLayout
     fp32_params: Fp32Params | None = None  # bf16 runs: HF's fp32-kept parameters, outside DeepSpeed's cast
     gradient_sync: bool = False  # whether the ETP pre-averaging of replicated gradients was needed (ETP > 1)
+    closed: bool = field(default=False, init=False)
 
     # ------------------------------------------------------------------ the training loop
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -56,6 +57,14 @@ class Glm53Engine:
             group["lr"] = lr
         if self.fp32_params is not None:
             self.fp32_params.set_lr(lr)
+
+    def close(self) -> None:
+        """Release the engine: DeepSpeed's gradient hooks hold its optimizer from C++ (a cycle Python's collector
+        cannot see), so without this the engine, the model and their process groups' threads outlive every
+        reference. The engine is not usable afterwards; a second call does nothing."""
+        if not self.closed:
+            self.ds.destroy()
+            self.closed = True
 
     # ------------------------------------------------------------------ what it holds
     @property

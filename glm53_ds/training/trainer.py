@@ -96,7 +96,10 @@ class Trainer(ResumeChecks, TrainSteps):
         self.peak_tflops: float | None = None  # the GPU's bf16 peak: --peak-tflops, or known by its name
 
     def close(self) -> None:
-        """Release what the run holds (the --save lock); every exit path."""
+        """Release what the run holds (the engine, the --save lock); every exit path."""
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
         if self.save_lock is not None:
             self.save_lock.release()
 
