@@ -71,8 +71,17 @@ def importable(module: str) -> bool:
 
 
 def resolve(field: str, value: str, device: torch.device) -> str:
-    """The concrete backend `field = value` means for tensors on `device`; a RuntimeError if it cannot run there."""
+    """The concrete backend `field = value` means for tensors on `device`; a RuntimeError if it cannot run there.
+
+    Meta tensors (the real-size dry run) stand for the GPU's: `auto` is what a GPU runs, and each kernel's op runs
+    there as its fake implementation (what the kernel returns and keeps). KDA on meta is always its operator's
+    meta kernel, which is fla's contract (layers/kda_ops.py)."""
     value = check(field, value)
+    if device.type == "meta":
+        if field == KDA:
+            return "torch"
+        if field in (ATTENTION, HC_POST) and value in ("auto", "triton"):
+            return "triton"
     cuda = device.type == "cuda"
     if field == KDA:
         if value == "auto":

@@ -1,5 +1,6 @@
 """What the fused DSA backward (`sparse_attention_triton.py`) allocates besides its gradients, in one place: the
-kernel sizes its chunks by it and the shape-only stand-in the planner traces (`shape_only.py`) allocates it."""
+kernel sizes its chunks by it, and the planner adds it at the kernel's backward op (`sparse_attention_op.py`,
+`fused_kernels.py`)."""
 
 from __future__ import annotations
 

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from .. import backends
-from . import shape_only
+from . import fused_kernels
 from .documents import Documents
+from .fused_kernels import expect_shape
 
 CHUNK_SIZE = 64
 
@@ -94,6 +95,53 @@ def chunk_kda_torch(
     return o.transpose(1, 2).contiguous().to(out_dtype)
 
 
+# --------------------------------------------------------------------------- the reference as an operator
+# `glm53::kda_reference`: one operator whose kernels the dispatcher picks by device, so the model calls it the same
+# way everywhere. On CPU and CUDA it is the torch reference above, through autograd as written (no recompute: the
+# reference has no backward of its own to put behind a custom op). On meta tensors (the dry run) it is the kernel's
+# contract: outputs like v, the inputs kept for backward as fla's kernel keeps them, gradients shaped as the inputs,
+# and the op itself visible to a dispatch mode (the planner records the kernel's operands there).
+def check_contract(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> None:
+    b, s, h, dk = q.shape
+    expect_shape("KDA k", k, (b, s, h, dk))
+    expect_shape("KDA g", g, (b, s, h, dk))
+    expect_shape("KDA beta", beta, (b, s, h))
+    expect_shape("KDA v", v, (b, s, h, v.shape[-1]))
+
+
+class _ContractOnMeta(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(q, k, v, g, beta)
+        with torch._C._AutoDispatchBelowAutograd():  # to the Meta kernel, through any dispatch mode
+            return torch.ops.glm53.kda_reference(q, k, v, g, beta)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.empty_like(t) for t in ctx.saved_tensors)
+
+
+_LIBRARY = torch.library.Library("glm53", "FRAGMENT")
+_LIBRARY.define("kda_reference(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta) -> Tensor")
+for _key in ("CPU", "CUDA", "AutogradCPU", "AutogradCUDA"):
+    _LIBRARY.impl("kda_reference", chunk_kda_torch, _key)
+_LIBRARY.impl("kda_reference", _ContractOnMeta.apply, "AutogradMeta")
+_LIBRARY.impl("kda_reference", lambda q, k, v, g, beta: torch.empty_like(v, dtype=q.dtype), "Meta")
+fused_kernels.register(fused_kernels.FusedKernel("KDA (fla chunk_kda)", "glm53::kda_reference"))
+
+
+def kda_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> torch.Tensor:
+    """The torch reference through its op: o [b, s, h, dv] in q's dtype, differentiable in every input."""
+    check_contract(q, k, v, g, beta)
+    return torch.ops.glm53.kda_reference(q, k, v, g, beta)
+
+
 @functools.cache
 def _takes_cu_seqlens_cpu(chunk_kda: Any) -> bool:
     """Whether this fla-core's `chunk_kda` takes `cu_seqlens_cpu` (fla PR #775: the chunk indices of packed
@@ -116,8 +164,6 @@ def kda_attention(
     """`backend` (the config's `kda_impl`): fla-core's chunked KDA kernel, the torch reference, or `auto` (fla on
     CUDA when installed). `documents` (batch 1): the state restarts at each document, through fla's varlen kernel
     (`cu_seqlens`) or the torch reference once per document."""
-    if shape_only.on_meta(q):  # a shape-only dry run: the fused kernel's contract, not the reference's loop
-        return shape_only.kda_core(q, k, v, g, beta)
     if backends.resolve(backends.KDA, backend, q.device) == "fla":
         from fla.ops.kda import chunk_kda
 
@@ -130,8 +176,8 @@ def kda_attention(
         out, _ = chunk_kda(q=q, k=k, v=v, g=g.float(), beta=beta, use_qk_l2norm_in_kernel=True, **varlen)
         return out.to(q.dtype)
     if documents is None:
-        return chunk_kda_torch(q, k, v, g, beta)
+        return kda_reference(q, k, v, g, beta)
     parts = [
-        chunk_kda_torch(q[:, a:e], k[:, a:e], v[:, a:e], g[:, a:e], beta[:, a:e]) for a, e in documents.bounds
+        kda_reference(q[:, a:e], k[:, a:e], v[:, a:e], g[:, a:e], beta[:, a:e]) for a, e in documents.bounds
     ]
     return torch.cat(parts, dim=1)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from . import shape_only
+from .sparse_attention_op import sparse_attention_reference
 
 # The torch reference's block of query rows keeps its gathered latents [b, rows, W, R] and its [b, rows, h, W] fp32
 # scores and probabilities under this many bytes: small enough to stay in cache between the block's GEMMs (on this
@@ -121,37 +121,38 @@ def _block_backward(
     return grad_q
 
 
-class _SparseReference(torch.autograd.Function):
-    """All blocks of query rows in one autograd node, backward written out: only q_lat, latent and tokens are kept;
-    the latent gradient accumulates in one buffer across blocks (per-block autograd nodes would each add a full
-    [L, R] gradient: O(L x blocks) = O(L^2) traffic)."""
-
-    @staticmethod
-    def forward(ctx, q_lat, latent, tokens, scaling, rows):
-        length = q_lat.shape[1]
+def reference_forward(
+    q_lat: torch.Tensor, latent: torch.Tensor, tokens: torch.Tensor, scaling: float, rows: int
+) -> torch.Tensor:
+    """All blocks of `rows` query rows, without autograd (the op `glm53::sparse_attention_reference` keeps only
+    q_lat, latent and tokens, sparse_attention_op.py)."""
+    with torch.no_grad():
         parts = []
-        for i in range(0, length, rows):
+        for i in range(0, q_lat.shape[1], rows):
             probs, gathered = slot_probabilities(
                 q_lat[:, i : i + rows], latent, tokens[:, i : i + rows], scaling
             )
             parts.append(_bmm(probs.to(q_lat.dtype), gathered))  # [b, r, h, R]
-        ctx.save_for_backward(q_lat, latent, tokens)
-        ctx.scaling, ctx.rows = scaling, rows
         return torch.cat(parts, dim=1)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        q_lat, latent, tokens = ctx.saved_tensors
-        b, length, _, rank = q_lat.shape
-        grad_latent = torch.zeros(b * length, rank, dtype=torch.promote_types(latent.dtype, torch.float32),
-                                  device=latent.device)  # fmt: skip
-        grad_q = torch.empty_like(q_lat, memory_format=torch.contiguous_format)
-        for i in range(0, length, ctx.rows):
-            sl = slice(i, i + ctx.rows)
+
+def reference_backward(
+    grad_out: torch.Tensor, q_lat: torch.Tensor, latent: torch.Tensor, tokens: torch.Tensor, scaling: float,
+    rows: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dq_lat, d_latent), block by block; the latent gradient accumulates in one buffer across blocks (per-block
+    autograd nodes would each add a full [L, R] gradient: O(L x blocks) = O(L^2) traffic)."""
+    b, length, _, rank = q_lat.shape
+    grad_latent = torch.zeros(b * length, rank, dtype=torch.promote_types(latent.dtype, torch.float32),
+                              device=latent.device)  # fmt: skip
+    grad_q = torch.empty_like(q_lat, memory_format=torch.contiguous_format)
+    with torch.no_grad():
+        for i in range(0, length, rows):
+            sl = slice(i, i + rows)
             grad_q[:, sl] = _block_backward(
-                q_lat[:, sl], latent, tokens[:, sl], grad_out[:, sl], ctx.scaling, grad_latent
+                q_lat[:, sl], latent, tokens[:, sl], grad_out[:, sl], scaling, grad_latent
             )
-        return grad_q, grad_latent.view(latent.shape).to(latent.dtype), None, None, None
+    return grad_q, grad_latent.view(latent.shape).to(latent.dtype)
 
 
 def reference_rows(
@@ -174,7 +175,7 @@ def sparse_reference(
     b, length, heads, rank = q_lat.shape
     rows = reference_rows(b, heads, tokens.shape[-1], rank, block_bytes)
     if dropout == 0.0:
-        return _SparseReference.apply(q_lat, latent, tokens, scaling, rows)
+        return sparse_attention_reference(q_lat, latent, tokens, scaling, rows)
     # attention dropout: its mask is drawn once per block, so autograd runs through checkpointed blocks
     grad = torch.is_grad_enabled() and (q_lat.requires_grad or latent.requires_grad)
     parts = []
@@ -279,12 +280,8 @@ def sparse_latent_attention(
 ) -> torch.Tensor:
     """The contract above: q_lat [b, L, h, R], latent [b, L, R], tokens [b, L, W] -> o_lat [b, L, h, R].
     `impl`: sparse (torch reference) | triton (fused kernels; attention dropout needs the reference)."""
-    if shape_only.on_meta(q_lat):  # a shape-only dry run: the fused kernel's contract
-        out = shape_only.sparse_attention_core(q_lat, latent, tokens)
-    elif impl == "triton" and dropout == 0.0:
-        from .sparse_attention_triton import (
-            sparse_attention_triton,
-        )  # lazy: Triton reads TRITON_INTERPRET at import
+    if impl == "triton" and dropout == 0.0:
+        from .sparse_attention_triton import sparse_attention_triton  # lazy: Triton reads TRITON_INTERPRET
 
         out = sparse_attention_triton(q_lat, latent, tokens, scaling)
     else:

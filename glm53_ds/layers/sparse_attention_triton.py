@@ -30,7 +30,9 @@ backward refuses them, naming the limit). Triton's CPU interpreter (TRITON_INTER
 (triton 3.9), so there the operands are upcast to fp32 first: the same products (bf16 x bf16 is exact in fp32), the
 same fp32 accumulation.
 
-This module is imported lazily: `triton.jit` decides at decoration time whether to use Triton's interpreter.
+The autograd of these kernels is the custom op `glm53::sparse_attention_triton` (sparse_attention_op.py: what it
+keeps, its fake implementation for meta tensors). This module is imported lazily: `triton.jit` decides at decoration
+time whether to use Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import triton.language as tl
 
 from .. import backends
 from .dsa_workspace import SLOT_GRAD_BYTES, chunk_rows
+from .sparse_attention_op import sparse_attention_fused
 
 MAX_HEADS = 64  # heads per program: the backward holds all of a query's heads in one tile
 LOG2E = math.log2(math.e)
@@ -351,21 +354,6 @@ def sparse_backward(
     return dq, d_latent.view(b, length, rank).to(latent.dtype)
 
 
-class _SparseLatentAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q_lat, latent, tokens, scaling):
-        out, lse = sparse_forward(q_lat, latent, tokens, scaling)
-        ctx.save_for_backward(q_lat, latent, tokens, out, lse)
-        ctx.scaling = scaling
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q_lat, latent, tokens, out, lse = ctx.saved_tensors
-        dq, d_latent = sparse_backward(q_lat, latent, tokens, out, lse, grad_out, ctx.scaling)
-        return dq, d_latent, None, None
-
-
 def sparse_attention_triton(
     q_lat: torch.Tensor, latent: torch.Tensor, tokens: torch.Tensor, scaling: float
 ) -> torch.Tensor:
@@ -377,4 +365,4 @@ def sparse_attention_triton(
         )
     if q_lat.shape[-1] > 512:
         raise ValueError(f"sparse attention kernel: latent width {q_lat.shape[-1]} > 512 is not supported")
-    return _SparseLatentAttention.apply(q_lat, latent, tokens.to(torch.int32), float(scaling))
+    return sparse_attention_fused(q_lat, latent, tokens.to(torch.int32), scaling)

@@ -19,14 +19,16 @@ derived:
    theirs, so its peak is `before + saved below l + backward_peak(l)`; the loss head's backward runs above
    everything saved. The step's peak is the largest of these.
 
-On meta tensors (`plan/__main__.py` at the released size) the fused kernels keep what their contracts say
-(layers/shape_only.py) and the experts get balanced routing; on CPU the same code measures the torch path, which
+On meta tensors (`plan/__main__.py` at the released size) the fused kernels keep what their contracts say (their
+ops' fake implementations and registered autograd, layers/fused_kernels.py; their backward's transient buffers are
+added at the backward op's call) and the experts get balanced routing; on CPU the same code measures the torch path, which
 the test suite uses to check the composition against the measured peaks of whole models (tests/plan).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..config import Glm53Config
+from ..layers.fused_kernels import workspace_of_backward
 from ..layers.mtp import Glm53MtpLayer
 from ..model import Glm53Model
 from ..parallel.layout import validate_layout
@@ -70,6 +73,13 @@ class LiveBytes(TorchDispatchMode):
                 storage = t.untyped_storage()
                 if storage._cdata not in inputs and storage._cdata not in self._sizes:
                     self._count(storage)
+        # a fused kernel's backward also holds its transient buffers while its gradients exist (fused_kernels.py)
+        transient = sum(
+            math.prod(shape) * dtype.itemsize for shape, dtype in workspace_of_backward(func, args)
+        )
+        if transient:
+            self.peak = max(self.peak, self.live + transient)
+            self.highest = max(self.highest, self.live + transient)
         return out
 
     def _count(self, storage: torch.UntypedStorage) -> None:

@@ -6,8 +6,9 @@ No GPU and no memory: the model is built on the meta device as rank `--rank` of 
 through torch's fake process-group backend (collectives return at once; every group, shard and split size is the
 real layout's), and one micro-batch runs through the loss and back. What runs is the GPU path: every projection,
 norm, mHC mix, router, the expert-parallel all-to-alls and grouped expert GEMMs, the DSA indexer's blocks (larger: a
-block costs a meta run its loop, not memory), the chunked loss head. The fused kernels are their contracts (KDA and
-sparse attention: layers/shape_only.py; mHC's write-back: its custom op's fake implementation), and the expert
+block costs a meta run its loop, not memory), the chunked loss head. The fused kernels are their contracts: each is an op
+whose meta implementation returns its outputs' shapes and keeps for backward what the kernel keeps (KDA, sparse
+attention and mHC's write-back: layers/fused_kernels.py), the model calling them as on a GPU; and the expert
 dispatch assumes balanced routing (meta tensors have no routing to read). A shape that does not fit, a
 parameter without its gradient, a shard of the wrong size or an int32 index computation fails here, on a laptop,
 instead of on the cluster after loading 640 GB.
@@ -44,7 +45,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..checkpoint.placement import placement
 from ..config import Glm53Config
-from ..layers import shape_only
+from ..layers.fused_kernels import kernel_of_forward
 from ..layers.lora_targets import apply_lora
 from ..model import Glm53Model
 from ..parallel import init_layout
@@ -129,6 +130,22 @@ def fake_world(world: int, rank: int = 0) -> None:
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
 
 
+class KernelOperands(TorchDispatchMode):
+    """Each fused kernel's largest operand in elements, by the kernel's name, as its op is called (the ops
+    layers/fused_kernels.py lists): past 2^31 elements a kernel must address in int64."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kernel = kernel_of_forward(func)
+        if kernel is not None:
+            sizes = [t.numel() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            self.largest[kernel.name] = max(self.largest.get(kernel.name, 0), *sizes)
+        return func(*args, **(kwargs or {}))
+
+
 def dry_run(
     cfg: Glm53Config, seq_length: int, ep: int = 1, etp: int = 1, rank: int = 0, micro_batch: int = 1,
     lora_rank: int = 0, gpt_model: bool = False, name: str = "model",
@@ -154,7 +171,8 @@ def dry_run(
 
     ids = torch.zeros(micro_batch, seq_length, dtype=torch.long, device="meta")
     audit = Int32Audit()
-    with shape_only.largest_operands() as operands:
+    operands = KernelOperands()
+    with operands:
         with audit:
             start = time.perf_counter()
             if gpt_model:
@@ -170,7 +188,7 @@ def dry_run(
             start = time.perf_counter()
             loss.backward()
             report.seconds["backward"] = time.perf_counter() - start
-    report.kernel_elements = operands
+    report.kernel_elements = operands.largest
     report.int32_ops = dict(audit.computed)
     if report.int32_ops:
         report.problems.append(f"int32 arithmetic (overflows past 2^31): {report.int32_ops}")

@@ -16,11 +16,11 @@ import torch
 from ..checkpoint import CheckpointDir
 from ..checkpoint.base_weights import HF, NATIVE, base_record, check_base, describe_base
 from ..checkpoint.publish import shared_checksums
-from ..engine import read_client_state
 from ..layers.lora import LoraSpec, is_lora_param
 from .config import SetupError, TrainConfig
 from .packing import PackedRowStream
 from .run_plan import RunPlan, agreed, or_setup_error
+from .state import TrainingState
 
 if TYPE_CHECKING:
     from .data import SampleStream
@@ -40,6 +40,7 @@ class ResumeChecks:
     valid: SampleStream | PackedRowStream | None
     start_step: int
     consumed: int
+    _saved_state: TrainingState | None = None
 
     @property
     def plan(self) -> RunPlan:
@@ -48,6 +49,15 @@ class ResumeChecks:
     def _say(self, line: str) -> None:
         raise NotImplementedError
 
+    def saved_state(self) -> TrainingState:
+        """--load's recorded training state, read once (the manifest checked; empty for a converted checkpoint)."""
+        if self._saved_state is None:
+            c = self.config
+            self._saved_state = or_setup_error(
+                lambda: TrainingState.read(str(c.load), str(self.load_tag)), alike=True
+            )
+        return self._saved_state
+
     def _saved_global_batch(self) -> int | None:
         """The global batch the --load checkpoint trained with (a training checkpoint resumed whole), which the run
         keeps unless --global-batch-size gives another (announced in one line). Checkpoints saved before it was
@@ -55,11 +65,7 @@ class ResumeChecks:
         c = self.config
         if not c.load or c.load_model_only or self.base_only:
             return None
-        client = or_setup_error(lambda: read_client_state(c.load, str(self.load_tag)), alike=True)
-        step, consumed = int(client.get("step", 0)), int(client.get("consumed_samples", 0))
-        saved = client.get("global_batch_size") or (
-            consumed // step if step and consumed % step == 0 else None
-        )
+        saved = self.saved_state().saved_global_batch()
         if saved and c.global_batch_size and c.global_batch_size != saved and self.rank == 0:
             print(f"--global-batch-size {c.global_batch_size}: the checkpoint trained with {saved} sequences per "
                   f"step; this run continues with {c.global_batch_size}", file=sys.stderr)  # fmt: skip
@@ -74,7 +80,7 @@ class ResumeChecks:
         held = any(is_lora_param(k) for k in CheckpointDir(c.load or "", str(self.load_tag)).keys())
         if not held:
             return mine is not None
-        stored = read_client_state(c.load or "", str(self.load_tag)).get("lora")
+        stored = self.saved_state().lora
         if stored != mine:
             raise SetupError(
                 f"--load {c.load}: the checkpoint holds LoRA adapters ({_describe_lora(stored)}); this run asks for "
@@ -124,7 +130,7 @@ class ResumeChecks:
             if ckpt is not None:
                 return NATIVE, str(c.load), self.load_tag, None, f"--load {c.load}"
             return (HF, c.hf_dir, None, None, f"--hf-dir {c.hf_dir}") if c.hf_dir else None
-        recorded = read_client_state(str(c.load), str(self.load_tag)).get("base")
+        recorded = self.saved_state().base
         if not ckpt.adapters_only:  # a LoRA checkpoint holding its base too
             self.base = recorded
             return None
@@ -140,18 +146,18 @@ class ResumeChecks:
             f"--load {c.load} (the base it records)",
         )
 
-    def _check_resume_data(self, client: dict[str, Any]) -> None:
+    def _check_resume_data(self, saved: TrainingState) -> None:
         """Before any model is built: a training checkpoint resumes only over the same data (its identity: corpus,
         sample length, seed, the sample range --valid-split leaves to training); anything else would re-read or
         skip samples, or train on held-out ones, so it is refused naming the option."""
         assert self.stream is not None
         c = self.config
-        if int(client.get("step", 0)) == 0:
+        if saved.step == 0:
             return
-        if "consumed_samples" not in client:
+        if "consumed_samples" not in saved.recorded:
             raise SetupError(f"--load {c.load}: the checkpoint does not record its data position (consumed "
                              "samples); it predates this trainer")  # fmt: skip
-        stored = dict(client.get("data", {}))
+        stored = dict(saved.data)
         if (
             "samples" not in stored
         ):  # written before the range was recorded always: unsplit runs read it whole
@@ -182,27 +188,27 @@ class ResumeChecks:
                 "--load-model-only: fresh optimizer state, step 0)"
             )
 
-    def _resume(self, client: dict[str, Any]) -> None:
+    def _resume(self, saved: TrainingState) -> None:
         """Step, data position (consumed samples), RNG from a training checkpoint (its data checked in set-up); a
         converted (model-only) one starts at step 0. A schedule that differs from the checkpoint's is announced."""
         c = self.config
-        self.start_step = int(client.get("step", 0))
+        self.start_step = saved.step
         where = os.path.join(c.load or "", str(self.load_tag))
         if self.start_step == 0:
             what = "the base weights" if self.base_only else "the weights"
             fresh = "fresh LoRA adapters, " if self.base_only else ""
             self._say(f"loaded {what} of {where} ({fresh}fresh optimizer state, step 0, data from the start)")
             return
-        self.consumed = int(client["consumed_samples"])
-        if "rng" in client:
-            torch.set_rng_state(client["rng"])
+        self.consumed = saved.consumed_samples
+        if saved.rng is not None:
+            torch.set_rng_state(saved.rng)
         self._say(f"resumed from {where}: step {self.start_step}, {self.consumed} consumed samples, global batch "
                   f"{self.plan.global_batch}")  # fmt: skip
-        saved = client.get("schedule")
-        if saved and saved != schedule_record(c):
-            before = dataclasses.replace(c, **saved).lr_at(self.start_step)
-            changed = ", ".join(f"--{k.replace('_', '-')} {saved[k]} -> {v}" for k, v in schedule_record(c).items()
-                                if saved.get(k) != v)  # fmt: skip
+        schedule = saved.schedule
+        if schedule and schedule != schedule_record(c):
+            before = dataclasses.replace(c, **schedule).lr_at(self.start_step)
+            changed = ", ".join(f"--{k.replace('_', '-')} {schedule[k]} -> {v}" for k, v in schedule_record(c).items()
+                                if schedule.get(k) != v)  # fmt: skip
             self._say(f"learning-rate schedule: {changed} (the checkpoint's); at step {self.start_step} the "
                       f"learning rate is {c.lr_at(self.start_step):.3g} (it would have been {before:.3g})")  # fmt: skip
 

@@ -37,7 +37,6 @@ from ..engine import (
     export_engine_to_peft,
     init_distributed,
     load_checkpoint,
-    read_client_state,
     save_checkpoint,
 )
 from ..flops import StepFlops, device_peak_tflops, step_flops
@@ -57,6 +56,7 @@ from .packing import PackedRowStream, hold_out
 from .resume import ResumeChecks, lora_record, schedule_record
 from .run_file import parse_with_config, write_run_file
 from .run_plan import RunPlan, agreed, model_config, or_setup_error
+from .state import TrainingState
 from .step import TrainingStopped, TrainSteps
 from .stop_signals import Interrupted, StopSignals, signal_name
 from .trainable import select_trainable
@@ -179,10 +179,8 @@ class Trainer(ResumeChecks, TrainSteps):
             weights_only = c.load_model_only or self.base_only
             agreed(lambda: check_checkpoint_fits(c.load, str(self.load_tag), cfg, here, weights_only))
             if not weights_only:  # the data a training checkpoint resumes over
-                client = or_setup_error(
-                    lambda: read_client_state(str(c.load), str(self.load_tag)), alike=True
-                )
-                agreed(lambda: self._check_resume_data(client))
+                saved = self.saved_state()
+                agreed(lambda: self._check_resume_data(saved))
             if self.base_checkpoint is not None:
                 base_dir, base_tag = self.base_checkpoint
                 agreed(lambda: check_checkpoint_fits(base_dir, base_tag, cfg, here, model_only=True))
@@ -212,10 +210,10 @@ class Trainer(ResumeChecks, TrainSteps):
         if c.load:
             # over a base checkpoint (no adapters in it) the adapters start fresh
             keep = is_lora_param if self.base_only else None
-            client = or_setup_error(lambda: load_checkpoint(self.engine, c.load, tag=self.load_tag, verify=False,
-                                                             model_only=c.load_model_only or self.base_only,
-                                                             keep=keep))  # fmt: skip
-            self._resume(client)
+            weights_only = c.load_model_only or self.base_only
+            or_setup_error(lambda: load_checkpoint(self.engine, c.load, tag=self.load_tag, verify=False,
+                                                    model_only=weights_only, keep=keep))  # fmt: skip
+            self._resume(TrainingState() if weights_only else self.saved_state())
         if c.gpus is not None and c.gpus != self.world:
             self._say(f"--gpus {c.gpus}: the run was planned for {c.gpus} GPUs and runs on {self.world}")
         if self.rank == 0:
@@ -309,12 +307,12 @@ class Trainer(ResumeChecks, TrainSteps):
     def save(self, step: int) -> None:
         assert self.layout is not None and self.stream is not None and self.config.save
         check_replicas(self.engine.module, self.layout)
-        client = {"step": step, "consumed_samples": self.consumed, "global_batch_size": self.plan.global_batch,
-                  "data": self.stream.identity, "rng": torch.get_rng_state(), "schedule": schedule_record(self.config),
-                  "lora": lora_record(self.config.lora_spec()), "base": self.base}  # fmt: skip
+        state = TrainingState(step, self.consumed, self.plan.global_batch, dict(self.stream.identity),
+                              torch.get_rng_state(), schedule_record(self.config), lora_record(self.config.lora_spec()),
+                              self.base)  # fmt: skip
         adapters_only = self.base is not None and self.config.lora_spec() is not None
         try:
-            self.last_saved = save_checkpoint(self.engine, self.config.save, f"step{step}", client_state=client,
+            self.last_saved = save_checkpoint(self.engine, self.config.save, f"step{step}", client_state=state.client_state(),
                                               adapters_only=adapters_only)  # fmt: skip
         except CheckpointError as e:  # non-finite weights: decided on every rank alike
             raise TrainingStopped(f"{e}. {self.last_good()}") from e

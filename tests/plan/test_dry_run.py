@@ -7,7 +7,9 @@ check each catch the fault they look for.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import subprocess
 import sys
 
@@ -15,7 +17,6 @@ import pytest
 import torch
 from torch import nn
 
-from glm53_ds.layers import shape_only
 from glm53_ds.layers.kda_ops import kda_attention
 from glm53_ds.parallel.expert_shard import ExpertShard
 from glm53_ds.plan.counts import count_parameters
@@ -114,14 +115,56 @@ def test_gradient_check_catches_a_missing_gradient():
     assert [p.split(":")[0] for p in gradient_problems(model)] == ["1.weight", "1.bias"]
 
 
-def test_meta_stand_ins_check_the_kernel_contract():
+def test_the_kernel_ops_on_meta_check_the_contract_and_are_recorded():
+    """On meta tensors the model's KDA and sparse-attention calls are their ops' meta implementations: the contract's
+    shape checks, the outputs' shapes, gradients shaped as the inputs; the dry run records each kernel's largest
+    operand by the op it sees, and the planner adds the DSA backward's transient buffers at its backward op (the
+    control: without that declaration the peak misses exactly them)."""
+    from glm53_ds import backends
+    from glm53_ds.layers import fused_kernels
+    from glm53_ds.layers.dsa_workspace import backward_workspace
+    from glm53_ds.layers.sparse_attention import sparse_latent_attention
+    from glm53_ds.plan.activations import LiveBytes
+    from glm53_ds.plan.dry_run import KernelOperands
+
     q = torch.empty(1, 8, 2, 4, device="meta")
-    with shape_only.largest_operands() as record:
+    with KernelOperands() as operands:
         out = kda_attention(
             q, q, torch.empty(1, 8, 2, 6, device="meta"), q, torch.empty(1, 8, 2, device="meta")
         )
-    assert out.shape == (1, 8, 2, 6) and record == {"KDA (fla chunk_kda)": 96}
+    assert out.shape == (1, 8, 2, 6) and operands.largest == {"KDA (fla chunk_kda)": 96}
     with pytest.raises(
         ValueError, match=r"KDA beta: shape \(1, 8\), the kernel's contract needs \(1, 8, 2\)"
     ):
         kda_attention(q, q, q, q, torch.empty(1, 8, device="meta"))
+
+    impl = backends.resolve(
+        backends.ATTENTION, "auto", torch.device("meta")
+    )  # the GPU's kernel, as mla.py does
+
+    def backward_peak(q_lat, latent, tokens) -> int:
+        out = sparse_latent_attention(q_lat, latent, tokens, 0.1, impl=impl, blind_possible=False)
+        with LiveBytes() as live:
+            live.mark()
+            out.sum().backward()
+        return live.highest
+
+    shapes = ((2, 64, 4, 32), (2, 64, 32), (2, 64, 16))
+    q_lat, latent = (torch.empty(s, device="meta", requires_grad=True) for s in shapes[:2])
+    tokens = torch.empty(shapes[2], dtype=torch.int32, device="meta")
+    with KernelOperands() as operands:
+        out = sparse_latent_attention(q_lat, latent, tokens, 0.1, impl=impl, blind_possible=False)
+        out.sum().backward()
+    assert out.shape == q_lat.shape and q_lat.grad.shape == q_lat.shape and latent.grad.shape == latent.shape
+    assert impl == "triton" and operands.largest == {"DSA sparse attention (Triton)": 2 * 64 * 4 * 32}
+    workspace = sum(math.prod(s) * d.itemsize for s, d in backward_workspace(2, 64, 4, 32, 16))
+    with_it = backward_peak(q_lat, latent, tokens)
+    kernel = fused_kernels.KERNELS["glm53::sparse_attention_triton"]
+    fused_kernels.KERNELS["glm53::sparse_attention_triton"] = dataclasses.replace(kernel, workspace=None)
+    try:
+        without = backward_peak(q_lat, latent, tokens)
+    finally:
+        fused_kernels.KERNELS["glm53::sparse_attention_triton"] = kernel
+    assert with_it - without == workspace > 0
+    with pytest.raises(ValueError, match=r"sparse attention tokens: shape \(2, 63, 16\)"):
+        sparse_latent_attention(q_lat, latent, tokens[:, :63], 0.1, impl=impl)
