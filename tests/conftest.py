@@ -31,10 +31,11 @@ def checkpoints(tmp_path_factory):
     return str(full), str(calm)
 
 
-# In-process engines: released after the test that built them, with the world they ran in. DeepSpeed's gradient
-# hooks keep an engine, its model and its process groups alive from C++ until the engine is closed, and every
-# in-process world adds its own groups: left alone, each engine test left ~50-100 gloo threads polling in the
-# pytest process (2,400 threads by the end of a full run, most of its CPU spent there).
+# In-process worlds: each engine is released after the test that built it, with the world it ran in, and every
+# in-process world after its test module. DeepSpeed's gradient hooks keep an engine, its model and its process
+# groups alive from C++ until the engine is closed, and each `init_layout` in a live world adds megatron's groups
+# (megatron's destroy only forgets them): left alone, in-process engines and layouts left ~50-100 gloo threads
+# each polling in the pytest process (1,800-2,400 threads in a full run, most of its CPU spent there).
 _ENGINES_BUILT: list = []
 
 
@@ -50,11 +51,8 @@ def pytest_configure(config):
     Glm53Engine.__init__ = recorded  # type: ignore[method-assign]
 
 
-@pytest.fixture(autouse=True)
-def _in_process_engines_released():
-    yield
-    if not _ENGINES_BUILT:
-        return  # a world a module's fixture built (tests/layers/test_documents.py) is kept for its next test
+def _close_in_process_world() -> None:
+    import torch.distributed as dist
     from megatron.core import parallel_state
 
     from glm53_ds.engine import close_distributed
@@ -63,9 +61,25 @@ def _in_process_engines_released():
         engine = _ENGINES_BUILT.pop()()
         if engine is not None:
             engine.close()
-    parallel_state.destroy_model_parallel()
-    close_distributed()
+    if dist.is_initialized() or parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+        close_distributed()
     gc.collect()  # the engines' models and groups sit in reference cycles: their threads end when collected
+
+
+@pytest.fixture(autouse=True)
+def _in_process_engines_released():
+    yield
+    if (
+        _ENGINES_BUILT
+    ):  # else a world a module's fixture built (tests/layers/test_documents.py) stays for its next test
+        _close_in_process_world()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _in_process_world_closed_per_module():
+    yield  # after the module's own fixtures are torn down
+    _close_in_process_world()
 
 
 # The fast lane (-m "not slow") by rule, not by hand: a test that spawns ranks (DeepSpeed's launcher or the

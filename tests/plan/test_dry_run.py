@@ -168,3 +168,19 @@ def test_the_kernel_ops_on_meta_check_the_contract_and_are_recorded():
     assert with_it - without == workspace > 0
     with pytest.raises(ValueError, match=r"sparse attention tokens: shape \(2, 63, 16\)"):
         sparse_latent_attention(q_lat, latent, tokens[:, :63], 0.1, impl=impl)
+
+
+def test_the_kernels_callers_keep_one_code_path():
+    """The model files that call the fused kernels hold no meta-device branch (before: kda_ops.py and
+    sparse_attention.py called shape-only stand-ins on meta tensors): the ops' meta implementations do it. The
+    control: the check finds the branch the old code had."""
+    import inspect
+    import re
+
+    from glm53_ds.layers import kda, kda_ops, mla, sparse_attention
+
+    branch = re.compile(r"""device\.type\s*==\s*["']meta["']|on_meta\(|shape_only""")
+    assert [
+        m.__name__ for m in (kda, kda_ops, mla, sparse_attention) if branch.search(inspect.getsource(m))
+    ] == []
+    assert branch.search("    if shape_only.on_meta(q):  # a shape-only dry run")  # the old kda_ops.py line
