@@ -7,7 +7,6 @@ the variable is set here, before any test imports the kernel module.
 import gc
 import inspect
 import os
-import weakref
 
 import pytest
 import torch
@@ -37,6 +36,7 @@ def checkpoints(tmp_path_factory):
 # (megatron's destroy only forgets them): left alone, in-process engines and layouts left ~50-100 gloo threads
 # each polling in the pytest process (1,800-2,400 threads in a full run, most of its CPU spent there).
 _ENGINES_BUILT: list = []
+_TRACKING = [True]
 
 
 def pytest_configure(config):
@@ -46,7 +46,8 @@ def pytest_configure(config):
 
     def recorded(self, *args, **kwargs):
         built(self, *args, **kwargs)
-        _ENGINES_BUILT.append(weakref.ref(self))  # weak: a test may free its engine itself
+        if _TRACKING[0]:
+            _ENGINES_BUILT.append(self)
 
     Glm53Engine.__init__ = recorded  # type: ignore[method-assign]
 
@@ -58,9 +59,7 @@ def _close_in_process_world() -> None:
     from glm53_ds.engine import close_distributed
 
     while _ENGINES_BUILT:
-        engine = _ENGINES_BUILT.pop()()
-        if engine is not None:
-            engine.close()
+        _ENGINES_BUILT.pop().close()  # a no-op for an engine the test closed
     if dist.is_initialized() or parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
         close_distributed()
@@ -70,10 +69,17 @@ def _close_in_process_world() -> None:
 @pytest.fixture(autouse=True)
 def _in_process_engines_released():
     yield
-    if (
-        _ENGINES_BUILT
-    ):  # else a world a module's fixture built (tests/layers/test_documents.py) stays for its next test
+    # without an engine, a world a module's fixture built (tests/layers/test_documents.py) stays for its next test
+    if _ENGINES_BUILT:
         _close_in_process_world()
+
+
+@pytest.fixture
+def engines_not_tracked():
+    """For a test that frees its engines itself and counts what is left: the session does not hold them."""
+    _TRACKING[0] = False
+    yield
+    _TRACKING[0] = True
 
 
 @pytest.fixture(scope="module", autouse=True)

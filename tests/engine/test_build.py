@@ -115,7 +115,7 @@ def _gloo_threads() -> int:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux /proc")
-def test_a_closed_engine_and_world_leave_no_thread_behind():
+def test_a_closed_engine_and_world_leave_no_thread_behind(engines_not_tracked):
     """Before: an engine outlived every reference (DeepSpeed's gradient hooks hold its optimizer from C++), so its
     model and process groups did too: each in-process engine left ~50-100 gloo threads polling (a full test run
     reached 2,400 threads). Now `Glm53Engine.close` + `close_distributed` free them; the control, the same without
@@ -124,8 +124,10 @@ def test_a_closed_engine_and_world_leave_no_thread_behind():
 
     from megatron.core import parallel_state
 
-    from glm53_ds.engine import close_distributed
+    from glm53_ds.engine import close_distributed, init_distributed
     from tests.model_fixtures import engine_config
+
+    unclosed = []
 
     def left_after(close: bool) -> int:
         before = _gloo_threads()
@@ -133,6 +135,8 @@ def test_a_closed_engine_and_world_leave_no_thread_behind():
         engine = glm53_ds.build_engine(model, engine_config(2, True, 1.0))
         if close:
             engine.close()
+        else:
+            unclosed.append(engine.ds)  # DeepSpeed's engine only: closed below, after counting
         del engine, model
         parallel_state.destroy_model_parallel()
         close_distributed()
@@ -140,6 +144,10 @@ def test_a_closed_engine_and_world_leave_no_thread_behind():
         return _gloo_threads() - before
 
     closed, kept = left_after(close=True), left_after(close=False)
+    init_distributed()  # DeepSpeed's destroy speaks through the world: the control's engine released in one
+    unclosed.pop().destroy()
+    close_distributed()
+    gc.collect()
     assert closed <= 3, closed  # gloo's few process-wide threads, started once
     assert kept >= 40, kept  # the control
 
