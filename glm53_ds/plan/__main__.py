@@ -26,10 +26,10 @@ from ..config import Glm53Config
 from ..parallel.layout import validate_layout
 from ..training.args import build_parser
 from ..training.config import check_seq_length
-from ..training.presets import PRESETS
+from ..training.presets import PRESETS, named_config
 from ..training.run_file import config_path, read_config
 from .activations import plan_activations
-from .cli import check_numbers, model_config
+from .cli import check_numbers
 from .counts import KINDS, count_parameters
 from .memory import (
     RECOMPUTE_ORDER,
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=UserWarning)  # megatron's notices about optional kernels
     try:
         check_numbers(args, dict(world=1, ep=1, etp=1, sp=1, seq_length=1, micro_batch_size=1, lora_rank=0))
-        cfg = model_config(args.model_config)
+        cfg = named_config(args.model_config)
         if args.no_mtp:
             cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
         gpu = parse_bytes(args.gpu_memory)

@@ -1,18 +1,11 @@
-"""What the planner's two commands (`python -m glm53_ds.plan`, `python -m glm53_ds.plan.dry_run`) share: the model
-a `--model-config` names, and the refusal of impossible numbers before any work (one `error:` line each; the
-length past the model's positions is the trainer's own rule, `training.config.check_seq_length`)."""
+"""What the planner's two commands (`python -m glm53_ds.plan`, `python -m glm53_ds.plan.dry_run`) share: the refusal
+of impossible numbers before any work (one `error:` line each; the length past the model's positions is the
+trainer's own rule, `training.config.check_seq_length`). The model a `--model-config` names is the trainer's
+`training.presets.named_config`."""
 
 from __future__ import annotations
 
 import argparse
-
-from ..config import Glm53Config
-from ..training.presets import PRESETS, preset
-
-
-def model_config(name: str) -> Glm53Config:
-    """A preset's config, or a config.json's."""
-    return preset(name) if name in PRESETS else Glm53Config.from_hf(name)
 
 
 def check_numbers(args: argparse.Namespace, at_least: dict[str, int]) -> None:

@@ -51,10 +51,10 @@ from ..model import Glm53Model
 from ..parallel import init_layout
 from ..specs import get_glm53_block_spec, get_glm53_mtp_block_spec
 from ..training.config import TrainConfig, check_seq_length, recompute_overrides
-from ..training.presets import PRESETS
+from ..training.presets import PRESETS, named_config
 from ..training.trainable import select_trainable
 from ..transformer_config import make_transformer_config
-from .cli import check_numbers, model_config
+from .cli import check_numbers
 from .counts import count_parameters, lora_spec, whole_model_on_meta
 
 INT32_LIMIT = 2**31 - 1
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.rank >= args.ep * args.etp:
             raise ValueError(f"--rank {args.rank} is outside the EP x ETP world of {args.ep * args.etp} ranks "
                              f"(0 .. {args.ep * args.etp - 1})")  # fmt: skip
-        cfg = model_config(args.model_config)
+        cfg = named_config(args.model_config)
         if args.layers:
             cfg = first_layers(cfg, args.layers)
         report = dry_run(cfg, args.seq_length, args.ep, args.etp, args.rank, args.micro_batch_size, args.lora_rank,

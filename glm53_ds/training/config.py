@@ -26,7 +26,13 @@ from ..safe_io import OutputPathError, check_output_dir, published_tags
 from ..transformer_config import FULL_RECOMPUTE_LOSSES
 from .data import check_data_path
 from .packing import LONG_DOCUMENTS
-from .presets import DEFAULT_ROUTER_BIAS_UPDATE_RATE, PRESET_ROUTER_BIAS_UPDATE_RATE, PRESETS, preset
+from .presets import (
+    DEFAULT_ROUTER_BIAS_UPDATE_RATE,
+    PRESET_ROUTER_BIAS_UPDATE_RATE,
+    PRESETS,
+    named_config,
+    preset,
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_DATA = os.path.join(REPO_ROOT, "data", "tiny_corpus.txt")
@@ -382,7 +388,7 @@ def resolve_model(
     if hf_dir:
         cfg, name = Glm53Config.from_hf(hf_dir), os.path.basename(os.path.normpath(hf_dir))
         if model_config:  # e.g. a recipe's model beside the weights given on the command line: the same model
-            named = preset(model_config) if model_config in PRESETS else Glm53Config.from_hf(model_config)
+            named = named_config(model_config)
             theirs, mine = named.to_text_dict(), cfg.to_text_dict()
             differ = sorted(
                 k for k in theirs.keys() | mine.keys() if k not in RUN_FIELDS and theirs.get(k) != mine.get(k)
@@ -393,11 +399,11 @@ def resolve_model(
                     f"{', '.join(f'{k} ({mine.get(k)!r} vs {theirs.get(k)!r})' for k in differ[:3])}"
                     f"{' and more' if len(differ) > 3 else ''}; give one of them"
                 )
-    elif model_config and model_config not in PRESETS:
-        cfg = Glm53Config.from_hf(model_config)
-        name = os.path.splitext(os.path.basename(model_config))[0]
     elif model_config:
-        cfg, name = preset(model_config), model_config
+        cfg = named_config(model_config)
+        name = (
+            model_config if model_config in PRESETS else os.path.splitext(os.path.basename(model_config))[0]
+        )
     elif load:
         try:
             stored = CheckpointDir(load, load_tag or None).meta.get("config")

@@ -63,3 +63,8 @@ def preset(name: str) -> Glm53Config:
     if name not in PRESETS:
         raise ValueError(f"--model-config {name!r}: not a file and not a preset; presets: {sorted(PRESETS)}")
     return PRESETS[name]()
+
+
+def named_config(name: str) -> Glm53Config:
+    """What `--model-config NAME` names: a preset's config, or a config.json's (the trainer and the planner)."""
+    return preset(name) if name in PRESETS else Glm53Config.from_hf(name)
