@@ -28,6 +28,7 @@ from ..training.args import build_parser
 from ..training.config import check_seq_length
 from ..training.presets import PRESETS, named_config
 from ..training.run_file import config_path, read_config
+from ..training.run_plan import default_deepspeed_config, zero_stage_and_bf16
 from .activations import plan_activations
 from .cli import check_numbers
 from .counts import KINDS, count_parameters
@@ -58,7 +59,7 @@ def run_file_arguments(path: str) -> list[str]:
     """The trainer's run file (`--config run.toml`, training/run_file.py) as the planner's arguments: the run as the
     trainer would make it (its defaults where the file gives nothing). The model: --hf-dir's config, else
     --model-config, else the trainer's default (tiny); the DeepSpeed config's ZeRO stage and dtype, or the trainer's
-    GPU default (ZeRO 2, bf16); [planning] gpus as --world, gpu_memory as --gpu-memory."""
+    GPU default (`run_plan.default_deepspeed_config`); [planning] gpus as --world, gpu_memory as --gpu-memory."""
     trainer = build_parser()
     file_argv, _ = read_config(path, trainer)
     run = vars(trainer.parse_args(file_argv))  # options not given are absent (the trainer resolves defaults)
@@ -69,15 +70,14 @@ def run_file_arguments(path: str) -> list[str]:
     for name in ("ep", "etp", "sp", "seq_length", "micro_batch_size", "recompute", "lora_rank"):
         if name in given:
             out += [f"--{name.replace('_', '-')}", str(given[name])]
-    zero, bf16 = 2, True  # the trainer's default on a GPU
+    ds = default_deepspeed_config(on_gpu=True)  # the trainer's, on the GPUs the run is planned for
     if given.get("deepspeed_config"):
         try:
             with open(given["deepspeed_config"], encoding="utf-8") as f:
                 ds = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"--config {path}: deepspeed_config {given['deepspeed_config']!r}: {e}") from e
-        zero = int(ds.get("zero_optimization", {}).get("stage", 0))
-        bf16 = bool(ds.get("bf16", {}).get("enabled", False))
+    zero, bf16 = zero_stage_and_bf16(ds)
     out += (
         ["--zero", str(zero)] + ([] if bf16 else ["--fp32"]) + (["--no-mtp"] if given.get("no_mtp") else [])
     )

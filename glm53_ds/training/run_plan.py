@@ -63,6 +63,19 @@ def gradient_accumulation(config: TrainConfig, world: int, global_batch: int) ->
     return global_batch // per_step
 
 
+def default_deepspeed_config(on_gpu: bool) -> dict[str, Any]:
+    """DeepSpeed's config without --deepspeed_config: ZeRO 2 in bf16 on GPUs, stage 0 in fp32 on CPU."""
+    return {"zero_optimization": {"stage": 2 if on_gpu else 0, "contiguous_gradients": True, "overlap_comm": on_gpu},
+            "bf16": {"enabled": on_gpu}}  # fmt: skip
+
+
+def zero_stage_and_bf16(ds: dict[str, Any]) -> tuple[int, bool]:
+    """A DeepSpeed config's ZeRO stage and whether it trains in bf16."""
+    return int(ds.get("zero_optimization", {}).get("stage", 0)), bool(
+        ds.get("bf16", {}).get("enabled", False)
+    )
+
+
 def deepspeed_config(config: TrainConfig, world: int, gas: int) -> dict[str, Any]:
     """DeepSpeed's config: the --deepspeed_config file (checked against the command line) or a default."""
     # DeepSpeed's data-parallel size: ETP is its model-parallel group, SP its sequence-parallel group
@@ -99,15 +112,7 @@ def deepspeed_config(config: TrainConfig, world: int, gas: int) -> dict[str, Any
                     f"ETP {config.etp}, --clip-grad {config.clip_grad})"
                 )
     else:
-        on_gpu = torch.cuda.is_available()
-        ds = {
-            "zero_optimization": {
-                "stage": 2 if on_gpu else 0,
-                "contiguous_gradients": True,
-                "overlap_comm": on_gpu,
-            },
-            "bf16": {"enabled": on_gpu},
-        }
+        ds = default_deepspeed_config(on_gpu=torch.cuda.is_available())
     ds.update(wanted)
     ds.setdefault("steps_per_print", 10**9)
     ds.setdefault("zero_allow_untested_optimizer", True)
@@ -146,11 +151,11 @@ class RunPlan:
 
     @property
     def zero_stage(self) -> int:
-        return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
+        return zero_stage_and_bf16(self.ds_config)[0]
 
     @property
     def bf16(self) -> bool:
-        return bool(self.ds_config.get("bf16", {}).get("enabled"))
+        return zero_stage_and_bf16(self.ds_config)[1]
 
     def samples_per_step(self, micro_batch_size: int) -> int:
         return micro_batch_size * self.gas * self.data_world
