@@ -3,12 +3,17 @@
 - `model_config`: the model the run builds, with the run's MTP choices;
 - `gradient_accumulation`, `deepspeed_config`, `RunPlan`: the global batch, accumulation steps and DeepSpeed's
   config, resolved once from the `TrainConfig` and the world size (checked against a given --deepspeed_config);
-- `or_setup_error`, `agreed`: a set-up step's OSError / ValueError as one `SetupError`, on one rank or agreed by all.
+- `default_deepspeed_config`, `zero_stage_and_bf16`: the config without --deepspeed_config (the planner's too);
+- `or_setup_error`, `agreed`: a set-up step's OSError / ValueError as one `SetupError`, on one rank or agreed by all;
+  `report_error`: one `error:` line per failure, not one per rank.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,3 +164,23 @@ class RunPlan:
 
     def samples_per_step(self, micro_batch_size: int) -> int:
         return micro_batch_size * self.gas * self.data_world
+
+
+def report_error(error: Exception, lead: str = "") -> None:
+    """One `error:` line per failure, not one per rank: a failure every rank finds alike (before the process group
+    exists: every rank of a node reads the same files; after it: `agreed` steps and training stops) is printed by
+    rank 0 (local rank 0 before the group exists); one that a rank found alone is printed by it, naming it."""
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        alike = getattr(error, "agreed", False)  # TrainingStopped: True unless a rank alone found it
+    else:
+        rank, world, alike = int(os.environ.get("LOCAL_RANK", "0")), 1, True
+    if not alike or rank == 0:
+        where = f"rank {rank}: " if not alike and world > 1 else ""
+        print(f"{lead}error: {where}{error}", file=sys.stderr, flush=True)
+    if (
+        alike and world > 1
+    ):  # no rank leaves before rank 0 has said it (the launcher kills the rest at the first exit)
+        dist.barrier()
+    elif alike and rank != 0:  # before the process group: local rank 0 says it; a moment for it to
+        time.sleep(2)

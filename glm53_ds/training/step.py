@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 class TrainingStopped(RuntimeError):
     """Training stopped on purpose (a non-finite loss or gradient): decided on every rank alike."""
 
+    # reported once (run_plan.report_error); False where one rank alone found it (its disk full)
+    agreed = True
+
 
 @dataclass(frozen=True)
 class _StepReduction:

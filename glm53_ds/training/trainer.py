@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from typing import Any
 
 import torch
@@ -55,7 +54,7 @@ from .metrics import MetricsWriter, WandbRun, format_record, loggable, plot_loss
 from .packing import PackedRowStream, hold_out
 from .resume import ResumeChecks, lora_record, schedule_record
 from .run_file import parse_with_config, write_run_file
-from .run_plan import RunPlan, agreed, model_config, or_setup_error
+from .run_plan import RunPlan, agreed, model_config, or_setup_error, report_error
 from .state import TrainingState
 from .step import TrainingStopped, TrainSteps
 from .stop_signals import Interrupted, StopSignals, signal_name
@@ -318,7 +317,7 @@ class Trainer(ResumeChecks, TrainSteps):
             raise TrainingStopped(f"{e}. {self.last_good()}") from e
         except DiskFull as e:  # found by the ranks whose writes failed, not by all
             stopped = TrainingStopped(f"{e}. {self.last_good()}")
-            stopped.agreed = False  # type: ignore[attr-defined]
+            stopped.agreed = False
             raise stopped from e
         self._say(f"saved {self.last_saved} (step {step}, {self.consumed} consumed samples)")
 
@@ -385,26 +384,6 @@ class Trainer(ResumeChecks, TrainSteps):
                 self.save(step + 1)
         self.finish()
         return self.last
-
-
-def report_error(error: Exception, lead: str = "") -> None:
-    """One `error:` line per failure, not one per rank: a failure every rank finds alike (before the process group
-    exists: every rank of a node reads the same files; after it: `agreed` steps and training stops) is printed by
-    rank 0 (local rank 0 before the group exists); one that a rank found alone is printed by it, naming it."""
-    if dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-        alike = getattr(error, "agreed", isinstance(error, TrainingStopped))
-    else:
-        rank, world, alike = int(os.environ.get("LOCAL_RANK", "0")), 1, True
-    if not alike or rank == 0:
-        where = f"rank {rank}: " if not alike and world > 1 else ""
-        print(f"{lead}error: {where}{error}", file=sys.stderr, flush=True)
-    if (
-        alike and world > 1
-    ):  # no rank leaves before rank 0 has said it (the launcher kills the rest at the first exit)
-        dist.barrier()
-    elif alike and rank != 0:  # before the process group: local rank 0 says it; a moment for it to
-        time.sleep(2)
 
 
 def _report_stop(signum: int, trainer: Trainer | None) -> None:
