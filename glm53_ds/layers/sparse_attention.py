@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from . import sparse_attention_op
 from .sparse_attention_op import sparse_attention_reference
 
 # The torch reference's block of query rows keeps its gathered latents [b, rows, W, R] and its [b, rows, h, W] fp32
@@ -153,6 +154,9 @@ def reference_backward(
                 q_lat[:, sl], latent, tokens[:, sl], grad_out[:, sl], scaling, grad_latent
             )
     return grad_q, grad_latent.view(latent.shape).to(latent.dtype)
+
+
+sparse_attention_op.IMPLEMENTATIONS["reference"] = (reference_forward, reference_backward)
 
 
 def reference_rows(

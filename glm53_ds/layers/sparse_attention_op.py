@@ -16,6 +16,7 @@ is what its registered autograd saves, on every device, so the planner counts on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,6 +24,11 @@ import torch
 from . import fused_kernels
 from .dsa_workspace import backward_workspace
 from .fused_kernels import expect_shape
+
+# Each implementation's (forward, backward), registered by the module that holds it when it is imported
+# (sparse_attention.py: the reference; sparse_attention_triton.py, imported lazily: the kernels). This module imports
+# neither: they import it.
+IMPLEMENTATIONS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
 
 def check_contract(q_lat: torch.Tensor, latent: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -36,9 +42,7 @@ def check_contract(q_lat: torch.Tensor, latent: torch.Tensor, tokens: torch.Tens
 def _reference_op(
     q_lat: torch.Tensor, latent: torch.Tensor, tokens: torch.Tensor, scaling: float, rows: int
 ) -> torch.Tensor:
-    from .sparse_attention import reference_forward
-
-    return reference_forward(q_lat, latent, tokens, scaling, rows)
+    return IMPLEMENTATIONS["reference"][0](q_lat, latent, tokens, scaling, rows)
 
 
 @_reference_op.register_fake
@@ -54,9 +58,7 @@ def _reference_backward_op(
     grad_out: torch.Tensor, q_lat: torch.Tensor, latent: torch.Tensor, tokens: torch.Tensor, scaling: float,
     rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    from .sparse_attention import reference_backward
-
-    return reference_backward(grad_out, q_lat, latent, tokens, scaling, rows)
+    return IMPLEMENTATIONS["reference"][1](grad_out, q_lat, latent, tokens, scaling, rows)
 
 
 @_reference_backward_op.register_fake
@@ -87,9 +89,7 @@ _reference_op.register_autograd(_reference_grad, setup_context=_reference_setup)
 def _triton_op(
     q_lat: torch.Tensor, latent: torch.Tensor, tokens: torch.Tensor, scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from .sparse_attention_triton import sparse_forward  # lazy: Triton reads TRITON_INTERPRET at import
-
-    return sparse_forward(q_lat, latent, tokens, scaling)
+    return IMPLEMENTATIONS["triton"][0](q_lat, latent, tokens, scaling)
 
 
 @_triton_op.register_fake
@@ -107,9 +107,7 @@ def _triton_backward_op(
     grad_out: torch.Tensor, q_lat: torch.Tensor, latent: torch.Tensor, tokens: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, scaling: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    from .sparse_attention_triton import sparse_backward
-
-    return sparse_backward(q_lat, latent, tokens, out, lse, grad_out, scaling)
+    return IMPLEMENTATIONS["triton"][1](q_lat, latent, tokens, out, lse, grad_out, scaling)
 
 
 @_triton_backward_op.register_fake

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from .. import backends
+from . import sparse_attention_op
 from .dsa_workspace import SLOT_GRAD_BYTES, chunk_rows
 from .sparse_attention_op import sparse_attention_fused
 
@@ -352,6 +353,9 @@ def sparse_backward(
             BLOCK_E=SEGMENT_BLOCK_E, BLOCK_F=SEGMENT_BLOCK_F, BLOCK_R=seg_r,
         )  # fmt: skip
     return dq, d_latent.view(b, length, rank).to(latent.dtype)
+
+
+sparse_attention_op.IMPLEMENTATIONS["triton"] = (sparse_forward, sparse_backward)
 
 
 def sparse_attention_triton(
