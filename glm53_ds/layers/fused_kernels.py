@@ -1,9 +1,10 @@
 """The fused kernels' contracts, as the planner reads them: which custom op is which kernel, and what its backward
 allocates besides its gradients.
 
-Each fused kernel is a `torch.library.custom_op` (`glm53::...`) whose fake implementation gives its outputs' shapes
-and whose registered autograd keeps what the kernel keeps, so one model code path runs on CUDA, on CPU and on meta
-tensors (the real-size dry run, plan/dry_run.py). Two things a fake implementation cannot show a dispatch mode are
+Each fused kernel is an op (`glm53::...`: a `torch.library.custom_op` for sparse attention and mHC, an operator
+with a kernel per dispatch key for KDA, layers/kda_ops.py) whose meta implementation gives its outputs' shapes and
+whose autograd keeps what the kernel keeps, so one model code path runs on CUDA, on CPU and on meta tensors (the
+real-size dry run, plan/dry_run.py). Two things a fake implementation cannot show a dispatch mode are
 declared here by the op's module: the kernel's name for the planner's reports (`plan/dry_run.py` records each
 kernel's largest operand) and its backward's transient buffers (`plan/activations.py` counts them at the backward
 op's call). Nothing here runs a kernel.
@@ -55,6 +56,6 @@ def workspace_of_backward(func: Any, args: tuple[Any, ...]) -> Workspace:
 
 
 def expect_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
-    """A kernel contract's shape check, the same on every device (meta included)."""
+    """A kernel contract's shape check (KDA: on every device; sparse attention: in its ops' meta implementations)."""
     if tuple(tensor.shape) != shape:
         raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the kernel's contract needs {shape}")
