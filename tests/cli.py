@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import torch
 
@@ -14,6 +13,7 @@ from glm53_ds.compat.deepspeed_shm import remove_buffers
 from glm53_ds.parallel.state import free_port
 from glm53_ds.training.args import build_parser
 from glm53_ds.training.config import TrainConfig
+from tests.forked_processes import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
@@ -24,24 +24,29 @@ HANG_TIMEOUT = 900
 
 
 def deepspeed_run(
-    ranks: int, *args: str, env: dict | None = None, timeout: int = HANG_TIMEOUT, script: str = TRAIN
-) -> subprocess.CompletedProcess:
+    ranks: int, *args: str, env: dict | None = None, timeout: int = HANG_TIMEOUT, script: str = TRAIN,
+    launcher: bool = False,
+) -> subprocess.CompletedProcess:  # fmt: skip
+    """`deepspeed --num_gpus ranks script args`: the ranks forked from the tests' fork server as the launcher would
+    start them (tests/forked_processes.py), or through the real launcher (`launcher=True`)."""
     from tests.conftest import refuse_in_the_fast_lane
 
     refuse_in_the_fast_lane(f"starts {ranks} ranks through DeepSpeed's launcher")
     port = free_port()
-    cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(port), script, *args]
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
     try:
+        if not launcher:
+            return run_script(script, list(args), ranks=ranks, env=env, timeout=timeout, port=port)
+        cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(port), script, *args]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})  # fmt: skip
+                              env={**os.environ, **env})  # fmt: skip
     finally:
         remove_buffers(port)  # DeepSpeed's /dev/shm buffers of ranks killed on purpose
 
 
 def python_run(*args: str, timeout: int = HANG_TIMEOUT) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, TRAIN, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
-    )
+    """`python launch/train.py args`, forked from the tests' fork server."""
+    return run_script(TRAIN, list(args), timeout=timeout)
 
 
 def metrics(output_dir) -> list[dict]:
@@ -78,8 +83,8 @@ QUICK = ["--train-iters", "2", "--seq-length", "16"]
 
 
 def run(*args: str, script: str = TRAIN, timeout: int = HANG_TIMEOUT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    """`python script args` with one intra-op thread, forked from the tests' fork server."""
+    return run_script(script, list(args), env={"OMP_NUM_THREADS": "1"}, timeout=timeout)
 
 
 def one_error(proc: subprocess.CompletedProcess) -> str:

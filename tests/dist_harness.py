@@ -1,4 +1,5 @@
-"""Run a scenario function on N CPU ranks (gloo) with torch.multiprocessing and collect each rank's result.
+"""Run a scenario function on N CPU ranks (gloo), forked from the tests' fork server (tests/forked_processes.py),
+and collect each rank's result.
 
 A scenario is a module-level function of the test module that uses it (not named `test_*`), passed as itself:
 each child imports its module and calls it with the keyword arguments, on every rank; what it returns must be JSON.
@@ -21,18 +22,20 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 from glm53_ds.compat.deepspeed_shm import remove_buffers
 from glm53_ds.parallel.state import free_port
+from tests.forked_processes import context, take_environment
 from tests.model_fixtures import rel_err
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _child(
-    rank: int, world: int, port: int, scenario: tuple[str, str], kwargs: dict[str, Any], out_dir: str
-) -> None:
+    rank: int, world: int, port: int, scenario: tuple[str, str], kwargs: dict[str, Any], out_dir: str,
+    env: dict[str, str],
+) -> None:  # fmt: skip
+    take_environment(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), LOCAL_SIZE=str(world), OMP_NUM_THREADS="1",
@@ -68,14 +71,14 @@ def _launch(
     collective), return each rank's payload (or a placeholder for a rank that wrote none)."""
     import time
 
-    ctx = mp.get_context("spawn")
+    ctx = context()
     port = free_port()
     for rank in range(world):
         path = os.path.join(out_dir, f"rank{rank}.json")
         if os.path.exists(path):
             os.remove(path)
     procs = [
-        ctx.Process(target=_child, args=(r, world, port, scenario, kwargs, str(out_dir)))
+        ctx.Process(target=_child, args=(r, world, port, scenario, kwargs, str(out_dir), dict(os.environ)))
         for r in range(world)
     ]
     for p in procs:

@@ -34,7 +34,8 @@ from tests.cli import (
 def test_two_ranks_train_export_and_plot(tmp_path):
     out, export = tmp_path / "run", tmp_path / "hf"
     proc = deepspeed_run(2, "--train-iters", "12", "--output-dir", str(out), "--export-hf", str(export),
-                         "--tensorboard-dir", str(tmp_path / "tb"), "--check-replicas-interval", "4")  # fmt: skip
+                         "--tensorboard-dir", str(tmp_path / "tb"), "--check-replicas-interval", "4",
+                         launcher=True)  # the real launcher, once: the other multi-rank runs are forked  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = metrics(out)
     assert [r["step"] for r in records] == list(range(1, 13))
@@ -443,7 +444,8 @@ def test_two_ranks_refuse_bad_input_once_before_deepspeed_starts(tmp_path):
     from glm53_ds.parallel.state import free_port
     from tests.cli import ROOT, TRAIN, deepspeed_run
 
-    missing = deepspeed_run(2, "--data", str(tmp_path / "nope.txt"), "--output-dir", str(tmp_path / "a"))
+    missing = deepspeed_run(2, "--data", str(tmp_path / "nope.txt"), "--output-dir", str(tmp_path / "a"),
+                            launcher=True)  # fmt: skip
     error = one_error(missing)
     assert "--data" in error and "nope.txt" in error and "Traceback" not in missing.stderr, missing.stderr[
         -3000:
