@@ -25,7 +25,8 @@ import warnings
 from ..config import Glm53Config
 from ..parallel.layout import validate_layout
 from ..training.args import build_parser
-from ..training.config import check_seq_length
+from ..training.config import TrainConfig, check_seq_length
+from ..training.options import add_options, say_defaults
 from ..training.presets import PRESETS, named_config
 from ..training.run_file import config_path, read_config
 from ..training.run_plan import default_deepspeed_config, zero_stage_and_bf16
@@ -33,7 +34,6 @@ from .activations import plan_activations
 from .cli import check_numbers
 from .counts import KINDS, count_parameters
 from .memory import (
-    RECOMPUTE_ORDER,
     RESERVE_FRACTION,
     WORLDS,
     Layout,
@@ -86,6 +86,12 @@ def run_file_arguments(path: str) -> list[str]:
     return out + (["--gpu-memory", given["gpu_memory"]] if "gpu_memory" in given else [])
 
 
+# The trainer's options the planner takes, and its defaults for them (the released model's usual run, not the
+# tiny CPU job's).
+PLANNER_DEFAULTS = dict(ep=1, etp=1, sp=1, seq_length=8192, micro_batch_size=1, recompute="none", lora_rank=0,
+                        no_mtp=False, gpu_memory="141GB")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m glm53_ds.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -93,21 +99,11 @@ def main(argv: list[str] | None = None) -> int:
                    "config.json (default: glm-5.3-flash)")  # fmt: skip
     p.add_argument("--world", type=int, help="ranks (GPUs); required without --search; with it, the one world to "
                    "search (default: 8 to 1024)")  # fmt: skip
-    p.add_argument("--ep", type=int, default=1)
-    p.add_argument("--etp", type=int, default=1)
-    p.add_argument("--sp", type=int, default=1, help="sequence-parallel ranks per sample (default: 1)")
     p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2], help="ZeRO stage (default: 1)")
-    p.add_argument("--seq-length", type=int, default=8192, help="tokens per sample (default: 8192)")
-    p.add_argument(
-        "--micro-batch-size", type=int, default=1, help="samples per rank per micro-step (default: 1)"
-    )
-    p.add_argument(
-        "--recompute", default="none", choices=RECOMPUTE_ORDER, help="as the trainer's (default: none)"
-    )
     p.add_argument("--fp32", action="store_true", help="fp32 training (default: bf16)")
-    p.add_argument("--lora-rank", type=int, default=0, help="a LoRA run of this rank (0: full fine-tuning)")
-    p.add_argument("--no-mtp", action="store_true", help="without the MTP layer")
-    p.add_argument("--gpu-memory", default="141GB", help="memory of one GPU (default: 141GB, an H200)")
+    # the trainer's options, as the trainer declares them (training/config.py), with the planner's defaults
+    add_options(p, TrainConfig, names=tuple(PLANNER_DEFAULTS), defaults=PLANNER_DEFAULTS)
+    say_defaults(p, PLANNER_DEFAULTS)
     p.add_argument("--search", action="store_true", help="the smallest world and the layouts that fit in it "
                    "(--world / --ep / --etp / --sp / --zero / --recompute are searched)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

@@ -46,13 +46,12 @@ from torch.utils._pytree import tree_leaves
 from ..checkpoint.placement import placement
 from ..config import Glm53Config
 from ..layers.fused_kernels import kernel_of_forward
-from ..layers.lora_targets import apply_lora
 from ..model import Glm53Model
 from ..parallel import init_layout
 from ..specs import get_glm53_block_spec, get_glm53_mtp_block_spec
 from ..training.config import TrainConfig, check_seq_length, recompute_overrides
+from ..training.model_converters import apply_converters, model_converters
 from ..training.presets import PRESETS, named_config
-from ..training.trainable import select_trainable
 from ..transformer_config import make_transformer_config
 from .cli import check_numbers
 from .counts import count_parameters, lora_spec, whole_model_on_meta
@@ -216,9 +215,8 @@ def rank_model_on_meta(
     with torch.device("meta"):
         model = _gpt_model(cfg, tconfig, gpt_model_length) if gpt_model else Glm53Model(
             tconfig, pg_collection=layout.pg_collection)  # fmt: skip
-        if lora_rank:
-            apply_lora(model, lora_spec(lora_rank))
-    select_trainable(model, lora=bool(lora_rank), trainable=None, freeze=None, train_indexer=False)
+        # the trainer's converters (training/model_converters.py): the adapters, and only they train
+        apply_converters(model, model_converters(lora_spec(lora_rank) if lora_rank else None))
     return model, layout.expert_shard(cfg)
 
 

@@ -2,7 +2,7 @@
 batch it keeps, the adapters it resumes (the same ones, or refused), the base weights they were trained on (by
 full checksum), the data position (over the same data only), the step, the RNG and the learning-rate schedule
 (a change announced). `ResumeChecks` is part of the `Trainer` (trainer.py); checkpoints record
-`schedule_record` and `lora_record`."""
+`schedule_record` and the adapters' record (training/model_converters.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import torch
 from ..checkpoint import CheckpointDir
 from ..checkpoint.base_weights import HF, NATIVE, base_record, check_base, describe_base
 from ..checkpoint.publish import shared_checksums
-from ..layers.lora import LoraSpec, is_lora_param
 from .config import SetupError, TrainConfig
+from .model_converters import LoraAdapters
 from .packing import PackedRowStream
 from .run_plan import RunPlan, agreed, or_setup_error
 from .state import TrainingState
@@ -33,6 +33,7 @@ class ResumeChecks:
     rank: int
     load_tag: str | None
     base_only: bool
+    adapters: LoraAdapters | None
     base: dict[str, Any] | None
     weights_dir: str | None
     base_checkpoint: tuple[str, str] | None
@@ -71,20 +72,20 @@ class ResumeChecks:
                   f"step; this run continues with {c.global_batch_size}", file=sys.stderr)  # fmt: skip
         return int(saved) if saved else None
 
-    def _lora_against_load(self) -> bool:
+    def _adapters_against_load(self) -> bool:
         """Whether --load gives a LoRA run its base only (a checkpoint without adapters: fresh adapters, optimizer
         state and step 0). A checkpoint holding adapters resumes only with the same ones (rank, alpha, dropout,
         targets): anything else would silently change the experiment, so it is refused, naming both."""
         c = self.config
-        mine = lora_record(c.lora_spec())
-        held = any(is_lora_param(k) for k in CheckpointDir(c.load or "", str(self.load_tag)).keys())
+        mine = self.adapters.record if self.adapters is not None else None
+        held = any(LoraAdapters.adds(k) for k in CheckpointDir(c.load or "", str(self.load_tag)).keys())
         if not held:
             return mine is not None
         stored = self.saved_state().lora
         if stored != mine:
             raise SetupError(
-                f"--load {c.load}: the checkpoint holds LoRA adapters ({_describe_lora(stored)}); this run asks for "
-                f"{_describe_lora(mine)}. Give the same --lora-rank / --lora-alpha / --lora-dropout / --lora-targets "
+                f"--load {c.load}: the checkpoint holds LoRA adapters ({LoraAdapters.describe(stored)}); this run asks for "
+                f"{LoraAdapters.describe(mine)}. Give the same --lora-rank / --lora-alpha / --lora-dropout / --lora-targets "
                 "to resume it, or export it merged (--export-hf) and start from that"
             )
         return False
@@ -216,15 +217,3 @@ class ResumeChecks:
 def schedule_record(config: TrainConfig) -> dict[str, Any]:
     """What fixes the learning rate at each step (`TrainConfig.lr_at`), recorded by checkpoints."""
     return {k: getattr(config, k) for k in ("lr", "min_lr", "warmup", "train_iters")}
-
-
-def lora_record(spec: LoraSpec | None) -> dict[str, Any] | None:
-    """What a checkpoint records of a run's LoRA adapters, None without."""
-    return None if spec is None else spec.record()
-
-
-def _describe_lora(record: dict[str, Any] | None) -> str:
-    if record is None:
-        return "no LoRA adapters"
-    return (f"rank {record['rank']}, alpha {record['alpha']:g}, dropout {record['dropout']:g}, targets "
-            f"{','.join(record['targets'])}")  # fmt: skip

@@ -35,22 +35,14 @@ from typing import Any
 
 from ..safe_io import atomic_write_text
 from .config import SetupError, TrainConfig
-
-SKIPPED = frozenset({"help", "local_rank", "deepspeed", "config"})  # options no file holds
-
-
-def section_name(title: str) -> str:
-    return title.lower().replace(" and ", "_").replace("-", "_").replace(" ", "_")
+from .options import tables
 
 
 def sections(parser: argparse.ArgumentParser) -> dict[str, dict[str, argparse.Action]]:
-    """The file's tables: the parser's option groups, each option by its name (`dest`)."""
-    out: dict[str, dict[str, argparse.Action]] = {}
-    for group in parser._action_groups:  # argparse keeps the groups here and nowhere public
-        actions = {a.dest: a for a in group._group_actions if a.dest not in SKIPPED and a.option_strings}
-        if actions and group.title not in ("positional arguments", "options"):
-            out[section_name(str(group.title))] = actions
-    return out
+    """The file's tables: `TrainConfig`'s sections (training/options.py), each option by its name with the
+    parser's action for it (its type and choices)."""
+    actions = {a.dest: a for a in parser._actions}  # argparse keeps the actions here and nowhere public
+    return {table: {name: actions[name] for name in names} for table, names in tables(TrainConfig).items()}
 
 
 def _flag(action: argparse.Action) -> str:

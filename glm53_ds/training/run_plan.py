@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import Glm53Config
-from .config import SetupError, TrainConfig, resolve_model
+from .config import SetupError, TrainConfig
+from .model_source import resolve_model
 
 
 def agreed(fn: Any) -> Any:

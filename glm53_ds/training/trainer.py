@@ -40,8 +40,6 @@ from ..engine import (
 )
 from ..flops import StepFlops, device_peak_tflops, step_flops
 from ..hf_loader import SafetensorsCheckpoint, checkpoint_has_mtp, load_hf_state_into
-from ..layers.lora import is_lora_param
-from ..layers.lora_targets import apply_lora
 from ..model import Glm53Model
 from ..parallel.layout import ParallelLayout, init_layout, validate_layout
 from ..parallel.replicas import check_replicas
@@ -51,14 +49,14 @@ from .args import build_parser
 from .config import SetupError, TrainConfig, recompute_overrides
 from .data import SampleStream, load_tokenizer, open_stream
 from .metrics import MetricsWriter, WandbRun, format_record, loggable, plot_loss
+from .model_converters import adapters_of, apply_converters, model_converters
 from .packing import PackedRowStream, hold_out
-from .resume import ResumeChecks, lora_record, schedule_record
+from .resume import ResumeChecks, schedule_record
 from .run_file import parse_with_config, write_run_file
 from .run_plan import RunPlan, agreed, model_config, or_setup_error, report_error
 from .state import TrainingState
 from .step import TrainingStopped, TrainSteps
 from .stop_signals import Interrupted, StopSignals, signal_name
-from .trainable import select_trainable
 
 __all__ = ["SetupError", "Trainer", "TrainingStopped", "main"]
 
@@ -67,6 +65,10 @@ class Trainer(ResumeChecks, TrainSteps):
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
         self.cfg: Glm53Config = model_config(config)
+        # what changes the built model (LoRA adapters, the trainable set), and the adapters among them
+        self.converters = model_converters(config.lora_spec(), config.trainable, config.freeze,
+                                           config.indexer_loss_coef > 0)  # fmt: skip
+        self.adapters = adapters_of(self.converters)
         self._engine: Glm53Engine | None = None
         self.layout: ParallelLayout | None = None
         self.stream: SampleStream | PackedRowStream | None = None
@@ -132,8 +134,8 @@ class Trainer(ResumeChecks, TrainSteps):
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         if c.load:  # the whole tag checked before anything of it is read
             self.load_tag = or_setup_error(lambda: verify_checkpoint(c.load, c.load_tag), alike=True)
-            self.base_only = or_setup_error(self._lora_against_load, alike=True)
-        if c.lora_spec() is not None:
+            self.base_only = or_setup_error(self._adapters_against_load, alike=True)
+        if self.adapters is not None:
             self._find_base()
         if self.base_checkpoint is not None:  # a native base: checked whole before anything of it is read
             base_dir, base_tag = self.base_checkpoint
@@ -187,7 +189,7 @@ class Trainer(ResumeChecks, TrainSteps):
         self.layout = init_layout(c.ep, c.etp, cfg, sp=c.sp)
         model = agreed(self._build_model)  # a damaged --hf-dir file found by one rank is said once, naming it
         self.flops = step_flops(
-            cfg, c.seq_length, mtp=model.mtp is not None, base_trained=c.lora_spec() is None
+            cfg, c.seq_length, mtp=model.mtp is not None, base_trained=self.adapters is None
         )
         on_gpu = torch.cuda.is_available()
         self.peak_tflops = c.peak_tflops or (
@@ -201,14 +203,15 @@ class Trainer(ResumeChecks, TrainSteps):
                 file=sys.stderr,
             )
         if self.base_checkpoint is not None:  # an adapter checkpoint's native base, before the adapters
-            base_dir, base_tag = self.base_checkpoint
+            assert self.adapters is not None
+            base_dir, base_tag, adds = *self.base_checkpoint, self.adapters.adds
             or_setup_error(lambda: load_checkpoint(self.engine, base_dir, tag=base_tag, model_only=True,
-                                                    keep=is_lora_param, verify=False))  # fmt: skip
+                                                    keep=adds, verify=False))  # fmt: skip
         if self.base is not None and c.load and not self.base_only:
             self._say(f"base weights: {describe_base(self.base)}")
         if c.load:
             # over a base checkpoint (no adapters in it) the adapters start fresh
-            keep = is_lora_param if self.base_only else None
+            keep = self.adapters.adds if self.base_only and self.adapters is not None else None
             weights_only = c.load_model_only or self.base_only
             or_setup_error(lambda: load_checkpoint(self.engine, c.load, tag=self.load_tag, verify=False,
                                                     model_only=weights_only, keep=keep))  # fmt: skip
@@ -279,11 +282,7 @@ class Trainer(ResumeChecks, TrainSteps):
         model = Glm53Model(tconfig, mtp=use_mtp, pg_collection=self.layout.pg_collection)
         if checkpoint is not None:
             load_hf_state_into(model, checkpoint, mtp=use_mtp)  # each rank reads only its expert shard
-        spec = c.lora_spec()
-        if spec is not None:  # the same initial adapters on every rank and at every layout
-            apply_lora(model, spec, etp_group=self.layout.etp_group if c.etp > 1 else None)
-        if spec is not None or c.trainable or c.freeze:
-            said = select_trainable(model, spec is not None, c.trainable, c.freeze, c.indexer_loss_coef > 0)
+        for said in apply_converters(model, self.converters, self.layout.etp_group if c.etp > 1 else None):
             self._say(said)
         return model
 
@@ -307,9 +306,9 @@ class Trainer(ResumeChecks, TrainSteps):
         assert self.layout is not None and self.stream is not None and self.config.save
         check_replicas(self.engine.module, self.layout)
         state = TrainingState(step, self.consumed, self.plan.global_batch, dict(self.stream.identity),
-                              torch.get_rng_state(), schedule_record(self.config), lora_record(self.config.lora_spec()),
+                              torch.get_rng_state(), schedule_record(self.config), self.adapters.record if self.adapters else None,
                               self.base)  # fmt: skip
-        adapters_only = self.base is not None and self.config.lora_spec() is not None
+        adapters_only = self.base is not None and self.adapters is not None
         try:
             self.last_saved = save_checkpoint(self.engine, self.config.save, f"step{step}", client_state=state.client_state(),
                                               adapters_only=adapters_only)  # fmt: skip

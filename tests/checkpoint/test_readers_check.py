@@ -23,7 +23,8 @@ from glm53_ds.convert import load_native, native_to_hf
 from glm53_ds.convert.export_adapter import native_to_peft
 from glm53_ds.engine.checkpoint import check_checkpoint_fits, read_client_state
 from glm53_ds.layers.lora import LoraSpec
-from glm53_ds.training.config import SetupError, resolve_model
+from glm53_ds.training.config import SetupError
+from glm53_ds.training.model_source import resolve_model
 from tests.model_fixtures import save_lora_native
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -1,0 +1,193 @@
+"""The checks of a run's options that need no process group, run once its defaults are resolved
+(`TrainConfig.from_args`): each problem one `SetupError` naming the option, in the first seconds."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+from typing import TYPE_CHECKING
+
+from ..checkpoint.directory import has_latest, latest_tag
+from ..safe_io import OutputPathError, check_output_dir, published_tags
+from ..transformer_config import FULL_RECOMPUTE_LOSSES
+from .data import check_data_path
+from .errors import SetupError
+from .model_source import check_model_config_file
+from .packing import LONG_DOCUMENTS
+from .presets import PRESETS
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def check_inputs(config: TrainConfig) -> None:
+    """Every option but the output paths (those follow once the defaults are resolved)."""
+
+    def positive(name: str, value: int) -> None:
+        if value < 1:
+            raise SetupError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+    for name in ("seq_length", "micro_batch_size", "ep", "etp", "sp"):
+        positive(name, getattr(config, name))
+    if config.global_batch_size is not None:
+        positive("global_batch_size", config.global_batch_size)
+    for name in ("train_iters", "warmup", "save_interval", "check_replicas_interval", "log_interval",
+                 "loss_chunk_mib", "eval_interval"):  # fmt: skip
+        if getattr(config, name) < 0:
+            raise SetupError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
+    for name in ("lr", "min_lr", "weight_decay", "clip_grad", "router_bias_update_rate", "aux_loss_coef",
+                 "indexer_loss_coef"):  # fmt: skip
+        value = getattr(config, name)
+        if not math.isfinite(value) or value < 0:
+            raise SetupError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+    positive("eval_iters", config.eval_iters)
+    if config.gpus is not None:
+        positive("gpus", config.gpus)
+    if config.peak_tflops is not None and not (math.isfinite(config.peak_tflops) and config.peak_tflops > 0):
+        raise SetupError(f"--peak-tflops must be a finite number > 0, got {config.peak_tflops}")
+    if not (math.isfinite(config.valid_split) and 0.0 <= config.valid_split <= 0.5):
+        raise SetupError(f"--valid-split must be in [0, 0.5] (the fraction of --data held out), got "
+                         f"{config.valid_split}")  # fmt: skip
+    if config.valid_split and config.valid_data:
+        raise SetupError("--valid-split with --valid-data: give one validation source")
+    if config.valid_data is None and not config.valid_split:
+        given = [f"--{n.replace('_', '-')}" for n in ("eval_interval", "eval_iters", "eval_at_start")
+                 if getattr(config, n) != type(config).__dataclass_fields__[n].default]  # fmt: skip
+        if given:
+            raise SetupError(f"{', '.join(given)} without --valid-data or --valid-split: give the validation "
+                             "data")  # fmt: skip
+    for option, data_path in (("--data", config.data), ("--valid-data", config.valid_data)):
+        try:
+            if data_path is not None:
+                check_data_path(data_path, option)  # in the first seconds, before DeepSpeed starts
+        except FileNotFoundError as e:
+            raise SetupError(str(e)) from e
+    if config.wandb_mode not in ("online", "offline"):
+        raise SetupError(f"--wandb-mode must be online or offline, got {config.wandb_mode!r}")
+    if config.wandb_project is None and (config.wandb_mode != "online" or config.wandb_name):
+        raise SetupError("--wandb-mode / --wandb-name without --wandb-project: give the W&B project")
+    if config.wandb_project is not None and importlib.util.find_spec("wandb") is None:
+        raise SetupError(f"--wandb-project {config.wandb_project!r}: the wandb package is not installed "
+                         "(pip install \"glm53_ds[wandb]\")")  # fmt: skip
+    if config.mtp_loss_weight is not None and not (
+        math.isfinite(config.mtp_loss_weight) and config.mtp_loss_weight >= 0
+    ):
+        raise SetupError(f"--mtp-loss-weight must be a finite number >= 0, got {config.mtp_loss_weight}")
+    if config.no_decay_pattern is not None:
+        try:
+            re.compile(config.no_decay_pattern)
+        except re.error as e:
+            raise SetupError(
+                f"--no-decay-pattern {config.no_decay_pattern!r}: not a regular expression ({e})"
+            ) from e
+    for option, pattern in (("--trainable", config.trainable), ("--freeze", config.freeze)):
+        if pattern is not None:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise SetupError(f"{option} {pattern!r}: not a regular expression ({e})") from e
+    if config.lora_rank < 0:
+        raise SetupError(f"--lora-rank must be >= 0 (0: no LoRA), got {config.lora_rank}")
+    if config.lora_rank == 0:
+        given = [f"--{n.replace('_', '-')}" for n in ("lora_alpha", "lora_dropout", "lora_targets")
+                 if getattr(config, n) != type(config).__dataclass_fields__[n].default]  # fmt: skip
+        if given:
+            raise SetupError(f"{', '.join(given)} without --lora-rank: give --lora-rank R for LoRA adapters")
+    else:
+        try:
+            config.lora_spec()
+        except ValueError as e:
+            raise SetupError(f"--lora-rank / --lora-alpha / --lora-dropout / --lora-targets: {e}") from e
+    if config.long_documents not in LONG_DOCUMENTS:
+        raise SetupError(f"--long-documents must be one of {LONG_DOCUMENTS}, got {config.long_documents!r}")
+    if config.recompute not in RECOMPUTE:
+        raise SetupError(f"--recompute must be one of {RECOMPUTE}, got {config.recompute!r}")
+    if config.recompute == "full" and (config.aux_loss_coef > 0 or config.indexer_loss_coef > 0):
+        raise SetupError(
+            f"--recompute full with --aux-loss-coef {config.aux_loss_coef} / --indexer-loss-coef "
+            f"{config.indexer_loss_coef}: {FULL_RECOMPUTE_LOSSES}; use --recompute selective"
+        )
+    if config.hf_dir and not os.path.isfile(os.path.join(config.hf_dir, "config.json")):
+        raise SetupError(f"--hf-dir {config.hf_dir!r}: no config.json there")
+    if config.model_config and config.model_config not in PRESETS and not os.path.isfile(config.model_config):
+        raise SetupError(
+            f"--model-config {config.model_config!r}: not a file and not a preset {sorted(PRESETS)}"
+        )
+    for option, path in (("--hf-dir", config.hf_dir and os.path.join(config.hf_dir, "config.json")),
+                         ("--model-config", not config.hf_dir and config.model_config not in PRESETS and config.model_config)):  # fmt: skip
+        if path:
+            check_model_config_file(option, path)
+    if config.load:
+        if config.load_tag:
+            if not os.path.isdir(os.path.join(config.load, config.load_tag)):
+                raise SetupError(
+                    f"--load {config.load!r}: no checkpoint there (tag {config.load_tag!r} is missing)"
+                )
+        elif not has_latest(config.load):
+            raise SetupError(f"--load {config.load!r}: no checkpoint there (the file 'latest' is missing)")
+    if config.deepspeed_config and not os.path.isfile(config.deepspeed_config):
+        raise SetupError(f"--deepspeed_config {config.deepspeed_config!r}: no such file")
+
+
+def check_adapter_export(config: TrainConfig) -> None:
+    """--export-adapter writes the adapters alone: refused before any work where the run changes anything else
+    (a PEFT adapter would drop it silently)."""
+    if not config.export_adapter:
+        return
+    if not config.lora_rank:
+        raise SetupError("--export-adapter without --lora-rank: only a LoRA run has adapters to export (use "
+                         "--export-hf for the model)")  # fmt: skip
+    if config.trainable:
+        raise SetupError(f"--export-adapter with --trainable {config.trainable!r}: the run trains tensors besides "
+                         "the adapters, which a PEFT adapter cannot carry; export the merged model "
+                         "(--export-hf)")  # fmt: skip
+    if config.router_bias_update_rate > 0:
+        raise SetupError(f"--export-adapter with --router-bias-update-rate {config.router_bias_update_rate:g}: "
+                         "the router's correction bias changes, which a PEFT adapter cannot carry; export the "
+                         "merged model (--export-hf), or keep the rate at 0 (the LoRA default)")  # fmt: skip
+
+
+def check_output_paths(config: TrainConfig) -> None:
+    """Where this run writes, checked before any work (safe_io.check_output_dir): nothing it writes may land
+    in an input, the checkout, `.`, or over a non-empty export target without --force."""
+    inputs = {"--hf-dir": config.hf_dir, "--load": config.load}
+    try:
+        if config.export_hf:
+            check_output_dir(config.export_hf, "--export-hf", force=config.force, inputs=inputs,
+                             outputs={"--save": config.save, "--output-dir": config.output_dir,
+                                      "--export-adapter": config.export_adapter})  # fmt: skip
+        if config.export_adapter:
+            check_output_dir(config.export_adapter, "--export-adapter", force=config.force, inputs=inputs,
+                             outputs={"--save": config.save, "--output-dir": config.output_dir})  # fmt: skip
+        if (
+            config.save
+        ):  # a checkpoint directory accumulates tags; resuming in place (--load = --save) is fine
+            check_output_dir(config.save, "--save", may_exist=True, inputs={k: v for k, v in inputs.items()
+                                                                          if k != "--load"})  # fmt: skip
+            check_save_is_this_runs(config)
+        check_output_dir(config.output_dir, "--output-dir", may_exist=True,
+                         inputs={"--hf-dir": config.hf_dir, "--load": config.load})  # fmt: skip
+    except OutputPathError as e:
+        raise SetupError(str(e)) from e
+
+
+def check_save_is_this_runs(config: TrainConfig) -> None:
+    """A `--save` holding checkpoints belongs to the run that wrote them: only a run resuming from it (`--load`
+    the same directory) continues there, or one told to with --save-into-existing; anything else would replace
+    that run's tags of the same name and move its `latest`."""
+    tags = published_tags(config.save or "")
+    resumes_here = config.load is not None and os.path.realpath(config.load) == os.path.realpath(
+        config.save or ""
+    )
+    if tags and not resumes_here and not config.save_into_existing:
+        shown = ", ".join(tags[:6]) + (f", ... ({len(tags)} tags)" if len(tags) > 6 else "")
+        pointer = f"; latest: {latest_tag(config.save or '')}" if has_latest(config.save or "") else ""
+        raise SetupError(
+            f"--save {config.save!r} already holds checkpoints ({shown}{pointer}) that this run did not write; "
+            f"starting there would replace them. Resume from them with --load {config.save}, give another --save, "
+            "or pass --save-into-existing"
+        )
