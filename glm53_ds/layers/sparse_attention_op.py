@@ -10,7 +10,8 @@ keys, -1 = empty) -> o_lat [b, L, h, R], rows without a valid slot 0.
   Keeps also its output and the fp32 log-sum-exp [b, L, h]; its backward allocates the chunk buffers
   `dsa_workspace.backward_workspace` names (declared to the planner through `fused_kernels`).
 
-The fake implementations check the contract's shapes and return the outputs' shapes; what each keeps for backward
+The entry points check the contract's shapes on every device (`check_contract`, as the fake implementations do);
+the fakes return the outputs' shapes; what each keeps for backward
 is what its registered autograd saves, on every device, so the planner counts on meta what a GPU keeps.
 """
 
@@ -154,6 +155,7 @@ def sparse_attention_reference(
     q_lat: torch.Tensor, latent: torch.Tensor, tokens: torch.Tensor, scaling: float, rows: int
 ) -> torch.Tensor:
     """The torch reference in blocks of `rows` query rows: o_lat, differentiable in q_lat and latent."""
+    check_contract(q_lat, latent, tokens)  # on every device, as the meta implementation does
     return _reference_op(q_lat, latent, tokens, float(scaling), int(rows))
 
 
@@ -161,5 +163,6 @@ def sparse_attention_fused(
     q_lat: torch.Tensor, latent: torch.Tensor, tokens: torch.Tensor, scaling: float
 ) -> torch.Tensor:
     """The fused kernels (tokens int32): o_lat, differentiable in q_lat and latent."""
+    check_contract(q_lat, latent, tokens)  # on every device, as the meta implementation does
     out, _ = _triton_op(q_lat, latent, tokens, float(scaling))
     return out

@@ -358,3 +358,19 @@ def test_kernel_at_the_head_counts_of_sequence_parallelism(heads, kpool, bf16):
     """16 heads and the 8 and 4 a rank keeps under SP 2 and 4 (one 16-row tile, rows masked), kpool 16 and 4, 256
     tokens at topk 32: fp32 within 1e-5 / 1e-4 of the reference, bf16 within 2e-2."""
     _against_the_reference(*_realistic_case(256, heads=heads, topk=32, kpool=kpool), bf16=bf16)
+
+
+@pytest.mark.parametrize("entry", ["sparse_attention_reference", "sparse_attention_fused"])
+def test_the_ops_check_the_contract_on_every_device(entry):
+    """Before: only the meta implementations checked the shapes; on CPU a latent of another length reached the
+    kernels. Now each entry point refuses it with the meta implementation's message (the control: the same call
+    with the right latent runs)."""
+    from glm53_ds.layers import sparse_attention_op
+
+    call = getattr(sparse_attention_op, entry)
+    extra = (16,) if entry == "sparse_attention_reference" else ()
+    q_lat, latent = torch.randn(1, 8, 2, 4), torch.randn(1, 8, 4)
+    tokens = torch.zeros(1, 8, 3, dtype=torch.int32)
+    assert call(q_lat, latent, tokens, 0.5, *extra).shape == q_lat.shape
+    with pytest.raises(ValueError, match=r"sparse attention latent: shape \(1, 7, 4\)"):
+        call(q_lat, latent[:, :7], tokens, 0.5, *extra)
