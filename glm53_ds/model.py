@@ -25,6 +25,7 @@ them over SP). Logits, `mtp_logits` and `count_targets` are the local shard's.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import Glm53Config
+from .layers.activation_offload import ActivationOffload
 from .layers.chunked_ce import IGNORE_INDEX, linear_cross_entropy
 from .layers.documents import Documents, check_cu_seqlens_type
 from .layers.forward_record import ForwardRecord, recording
@@ -127,6 +129,8 @@ class Glm53Model(nn.Module):
             if use_mtp
             else None
         )
+        # full recompute's kept layer inputs in host memory between forward and backward (--offload-activations)
+        self.activation_offload = ActivationOffload() if config.offload_activations else None
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -253,7 +257,9 @@ class Glm53Model(nn.Module):
             x = x.detach().requires_grad_()
         packed_seq = None if docs is None else docs.packed_seq_params()
         layer_mask = None if all_real else self._local(mask)  # None: every token is real (known on the host)
-        packed = self.decoder(x, attention_mask=layer_mask, packed_seq_params=packed_seq)  # [s*n, b, D]
+        offload = self.activation_offload if torch.is_grad_enabled() else None
+        with offload.hooks() if offload is not None else contextlib.nullcontext():
+            packed = self.decoder(x, attention_mask=layer_mask, packed_seq_params=packed_seq)  # [s*n, b, D]
         return self.final_norm.stream_mean(packed)
 
     def _mtp_normed(

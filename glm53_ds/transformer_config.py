@@ -47,6 +47,9 @@ class Glm53TransformerConfig(TransformerConfig):
     # LM / MTP loss over chunks of tokens: one chunk's fp32 logits stay within this many bytes (layers/chunked_ce.py);
     # 0 = the materialised [tokens, vocab] logits (the reference path).
     loss_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    # Full recompute only: each layer's kept inputs go to host memory in forward and come back one layer ahead of
+    # the backward (layers/activation_offload.py); losses and gradients unchanged bitwise.
+    offload_activations: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.glm, Glm53Config):
@@ -62,6 +65,11 @@ class Glm53TransformerConfig(TransformerConfig):
                 f"recompute_granularity='full' with moe_seq_aux_loss_coef={self.moe_seq_aux_loss_coef} / "
                 f"indexer_loss_coef={self.indexer_loss_coef}: {FULL_RECOMPUTE_LOSSES}; use "
                 "recompute_granularity='selective' (recompute_modules mhc, mlp, moe)"
+            )
+        if self.offload_activations and self.recompute_granularity != "full":
+            raise ValueError(
+                f"offload_activations with recompute_granularity={self.recompute_granularity!r}: what is offloaded "
+                "is what full recompute keeps of each layer; use recompute_granularity='full'"
             )
         super().__post_init__()
 

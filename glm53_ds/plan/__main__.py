@@ -70,6 +70,7 @@ def run_file_arguments(path: str) -> list[str]:
     for name in ("ep", "etp", "sp", "seq_length", "micro_batch_size", "recompute", "lora_rank"):
         if name in given:
             out += [f"--{name.replace('_', '-')}", str(given[name])]
+    out += ["--offload-activations"] if given.get("offload_activations") else []
     ds = default_deepspeed_config(on_gpu=True)  # the trainer's, on the GPUs the run is planned for
     if given.get("deepspeed_config"):
         try:
@@ -89,7 +90,7 @@ def run_file_arguments(path: str) -> list[str]:
 # The trainer's options the planner takes, and its defaults for them (the released model's usual run, not the
 # tiny CPU job's).
 PLANNER_DEFAULTS = dict(ep=1, etp=1, sp=1, seq_length=8192, micro_batch_size=1, recompute="none", lora_rank=0,
-                        no_mtp=False, gpu_memory="141GB")  # fmt: skip
+                        no_mtp=False, offload_activations=False, gpu_memory="141GB")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,10 +131,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.world is None:
             raise ValueError("--world is required (or --search for the smallest layouts that fit)")
         validate_layout(args.world, args.ep, args.etp, cfg, sp=args.sp, seq_length=args.seq_length)
-        layout = Layout(args.world, args.ep, args.etp, args.sp, args.zero, args.recompute)
+        if args.offload_activations and args.recompute != "full":
+            raise ValueError(f"--offload-activations with --recompute {args.recompute}: what is offloaded is what "
+                             "full recompute keeps of each layer; add --recompute full")  # fmt: skip
+        layout = Layout(
+            args.world, args.ep, args.etp, args.sp, args.zero, args.recompute, args.offload_activations
+        )
         # the trace first: it joins the layout's fake world, in which the counts' meta build runs too
         profile = plan_activations(cfg, args.seq_length, args.micro_batch_size, args.ep, args.etp, args.sp,
-                                   args.recompute, args.lora_rank)  # fmt: skip
+                                   args.recompute, args.lora_rank, args.offload_activations)  # fmt: skip
         counts = count_parameters(cfg, args.ep, args.etp, lora_rank=args.lora_rank)
         memory = rank_memory(cfg, layout, args.seq_length, args.micro_batch_size, gpu, counts, bf16=not args.fp32,
                              lora_rank=args.lora_rank, profile=profile)  # fmt: skip
@@ -143,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "model": args.model_config, "world": args.world, "ep": args.ep, "etp": args.etp, "sp": args.sp,
         "zero": args.zero, "dtype": "fp32" if args.fp32 else "bf16", "lora_rank": args.lora_rank,
+        "offload_activations": args.offload_activations,
         "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size, "recompute": args.recompute,
         "parameters": {"total": counts.total, "active": counts.active, "trained": counts.trained,
                        "frozen": counts.frozen, "buffers": counts.buffers},
@@ -186,6 +193,9 @@ def _print_memory(memory: RankMemory) -> None:
     print(f"  {'loss head (chunked), in its backward':<38} {memory.loss_head / GiB:14.2f} GiB")
     print(f"  {'peak (kept from the forward)':<38} {memory.activations / GiB:14.2f} GiB "
           f"({memory.activations_saved / GiB:.2f})")  # fmt: skip
+    if memory.layout.offload_activations:
+        print(f"pinned host memory (the layers' kept inputs, --offload-activations) {memory.host / GiB:.2f} GiB per "
+              "rank: not in the GPU total")  # fmt: skip
     print(f"communication buffers (ZeRO-{memory.layout.zero} reduction buckets) "
           f"{memory.communication / GiB:.2f} GiB")  # fmt: skip
     usable = (1 - RESERVE_FRACTION) * memory.gpu

@@ -110,6 +110,7 @@ class UnitBytes:
     saved: int = 0
     forward_peak: int = 0
     backward_peak: int = 0
+    host: int = 0  # kept in host memory instead (--offload-activations: the layer's inputs)
 
 
 @dataclass
@@ -144,6 +145,10 @@ class ActivationProfile:
         peaks.append(below + self.head_forward_peak)
         peaks.append(below + self.head_saved + self.head_backward_peak)
         return max(peaks)
+
+    def host_saved(self, kinds: list[str]) -> int:
+        """Bytes the activation offload keeps in host memory at the end of the forward (decoder units only)."""
+        return sum(self.units[k].host for k in kinds)
 
     def saved(self, kinds: list[str]) -> int:
         """Bytes kept at the end of the forward (everything backward will read)."""
@@ -189,10 +194,15 @@ def _units(model: Glm53Model) -> list[tuple[str, nn.Module]]:
 @contextmanager
 def _unit_hooks(
     model: Glm53Model, tracker: LiveBytes, record: dict[int, dict[str, int]]
-) -> Iterator[list[bool]]:
+) -> Iterator[list[bool]]:  # fmt: skip
     """Marks each unit's forward and backward with the tracker; yields a flag list whose item is True in backward."""
     in_backward = [False]
     handles: list[Any] = []
+    offload = model.activation_offload
+
+    def offloaded() -> int:
+        return offload.offloaded_bytes if offload is not None else 0
+
     running: list[int] = []  # the unit whose backward window is open (none: the loss head's)
 
     def close_window() -> None:
@@ -213,7 +223,9 @@ def _unit_hooks(
                 if running != [index]:
                     begin_backward(index)
                 return
-            record[index] = {"before": tracker.mark()}
+            if index > 0:  # the previous layer's input went to the host once its checkpoint returned
+                record[index - 1].setdefault("host_after", offloaded())
+            record[index] = {"before": tracker.mark(), "host_before": offloaded()}
 
         def post(_module: nn.Module, _args: Any, out: Any, index: int = index) -> None:
             if in_backward[0]:
@@ -250,6 +262,11 @@ def profile_step(model: Glm53Model, step: Callable[[], torch.Tensor]) -> Activat
             tracker.mark()
             loss = step()
             end_of_forward = tracker.live
+            offload = model.activation_offload
+            for (
+                rec
+            ) in record.values():  # the last layer's input: offloaded by the end of the decoder's forward
+                rec.setdefault("host_after", offload.offloaded_bytes if offload is not None else 0)
             head_forward_window = tracker.peak
             in_backward[0] = True
             tracker.mark()
@@ -263,20 +280,28 @@ def profile_step(model: Glm53Model, step: Callable[[], torch.Tensor]) -> Activat
     profile.before = first["before"]
     for index, (kind, _) in enumerate(units):
         rec = record[index]
+        host = rec["host_after"] - rec["host_before"]  # this layer's inputs, kept on the host, not the device
         unit = UnitBytes(
-            saved=rec["after"] - rec["before"],
+            saved=rec["after"] - rec["before"] - host,
             forward_peak=rec["forward_window"] - rec["before"],
             backward_peak=rec.get("backward_window", rec["after"]) - rec["before"],
+            host=host,
         )
         if kind not in profile.units:
             profile.units[kind] = unit
         else:  # a kind seen before (a whole model, not a reduced one): keep the largest
             profile.units[kind] = UnitBytes(*map(max, dataclasses.astuple(profile.units[kind]),
                                                  dataclasses.astuple(unit)))  # fmt: skip
-    tail = record[len(units) - 1]["after"]
+
+    def kept_after(index: int) -> int:
+        """Live bytes once unit `index` is done and its inputs are on the host (offload)."""
+        rec = record[index]
+        return rec["after"] - (rec["host_after"] - rec["host_before"])
+
+    tail = kept_after(len(units) - 1)
     mtp_index = next((i for i, (k, _) in enumerate(units) if k == MTP_KIND), None)
     if mtp_index is not None:
-        profile.gap = record[mtp_index]["before"] - record[last_decoder]["after"]
+        profile.gap = record[mtp_index]["before"] - kept_after(last_decoder)
     profile.head_saved = end_of_forward - tail
     profile.head_forward_peak = max(head_forward_window, end_of_forward) - tail
     profile.head_backward_peak = (
@@ -287,14 +312,15 @@ def profile_step(model: Glm53Model, step: Callable[[], torch.Tensor]) -> Activat
 
 def plan_activations(
     cfg: Glm53Config, seq_length: int, micro_batch: int = 1, ep: int = 1, etp: int = 1, sp: int = 1,
-    recompute: str = "none", lora_rank: int = 0,
+    recompute: str = "none", lora_rank: int = 0, offload_activations: bool = False,
 ) -> ActivationProfile:  # fmt: skip
     """One rank's activation profile at the layout (rank 0 of a fake world of EP x ETP x SP ranks: every rank of a
     layout holds the same shapes), measured on the meta device on the reduced model: one micro-batch of
     `micro_batch` x `seq_length` tokens through the loss and back, the `--recompute` mode and LoRA adapters of the
     run. Compose it over the whole model with `peak(layer_kinds(cfg))`."""
     validate_layout(ep * etp * sp, ep, etp, cfg, sp=sp, seq_length=seq_length)
-    model, _ = rank_model_on_meta(reduced_config(cfg), ep, etp, sp, lora_rank=lora_rank, recompute=recompute)
+    model, _ = rank_model_on_meta(reduced_config(cfg), ep, etp, sp, lora_rank=lora_rank, recompute=recompute,
+                                  offload_activations=offload_activations)  # fmt: skip
     assert isinstance(model, Glm53Model)
     ids = torch.zeros(micro_batch, seq_length, dtype=torch.long, device="meta")
     return profile_step(model, lambda: model(ids, labels=ids))

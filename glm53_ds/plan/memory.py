@@ -48,10 +48,11 @@ class Layout:
     sp: int
     zero: int
     recompute: str
+    offload_activations: bool = False  # full recompute's kept layer inputs in host memory
 
     def __str__(self) -> str:
         return (f"world {self.world}: EP {self.ep} x ETP {self.etp} x SP {self.sp}, ZeRO {self.zero}, "
-                f"recompute {self.recompute}")  # fmt: skip
+                f"recompute {self.recompute}{', activations offloaded' if self.offload_activations else ''}")  # fmt: skip
 
     def deepspeed_config(self, bf16: bool = True) -> str:
         """The shipped DeepSpeed config of this ZeRO stage and dtype (ds_configs/)."""
@@ -66,12 +67,14 @@ class Layout:
     def trainer_flags(self, bf16: bool = True) -> str:
         """The layout as `deepspeed launch/train.py` takes it (world: the launcher's GPUs)."""
         return (f"--ep {self.ep} --etp {self.etp} --sp {self.sp} --recompute {self.recompute} "
+                f"{'--offload-activations ' if self.offload_activations else ''}"
                 f"--deepspeed_config {self.deepspeed_config(bf16)}")  # fmt: skip
 
     def config_section(self, bf16: bool = True) -> str:
         """The layout as a `--config` file's sections (TOML)."""
         return (f"[parallelism]\nep = {self.ep}\netp = {self.etp}\nsp = {self.sp}\n"
                 f"[model]\nrecompute = \"{self.recompute}\"\n"
+                f"{'offload_activations = true' + chr(10) if self.offload_activations else ''}"
                 f"[deepspeed]\ndeepspeed_config = \"{self.deepspeed_config(bf16)}\"")  # fmt: skip
 
 
@@ -89,6 +92,7 @@ class RankMemory:
     gpu: int
     # layer kind -> its layers, bytes kept per layer, backward peak above the layers below
     by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
+    host: int = 0  # pinned host memory of this rank (--offload-activations: every layer's kept inputs)
 
     @property
     def total(self) -> int:
@@ -102,7 +106,7 @@ class RankMemory:
         return dict(layout=asdict(self.layout), state=self.state.as_dict(), activations=self.activations,
                     activations_saved=self.activations_saved, loss_head=self.loss_head,
                     communication=self.communication, total=self.total, gpu_memory=self.gpu, fits=self.fits,
-                    activations_by_kind=self.by_kind)  # fmt: skip
+                    activations_by_kind=self.by_kind, host_memory=self.host)  # fmt: skip
 
 
 def rank_memory(
@@ -115,7 +119,7 @@ def rank_memory(
     the planner's meta builds run too)."""
     if profile is None:
         profile = plan_activations(cfg, seq_length, micro_batch, layout.ep, layout.etp, layout.sp,
-                                   layout.recompute, lora_rank)  # fmt: skip
+                                   layout.recompute, lora_rank, layout.offload_activations)  # fmt: skip
     if counts is None:
         counts = count_parameters(cfg, layout.ep, layout.etp, lora_rank=lora_rank,
                                   mtp=cfg.num_nextn_predict_layers > 0)  # fmt: skip
@@ -127,7 +131,7 @@ def rank_memory(
         for kind, unit in profile.units.items()
     }  # fmt: skip
     return RankMemory(layout, state, profile.peak(kinds), profile.saved(kinds), profile.head_backward_peak,
-                      communication_bytes(layout.zero, bf16), gpu, by_kind)  # fmt: skip
+                      communication_bytes(layout.zero, bf16), gpu, by_kind, profile.host_saved(kinds))  # fmt: skip
 
 
 def _powers_of_two(limit: int) -> list[int]:

@@ -69,6 +69,9 @@ class TrainConfig:
     no_mtp: bool = option(False, MODEL, "train without the MTP layer")
     recompute: str = option("none", MODEL, "activation recompute: selective = mHC pre/post + FFN; full = whole "
                             "layers", choices=RECOMPUTE)  # fmt: skip
+    offload_activations: bool = option(False, MODEL, "with --recompute full: each layer's kept inputs go to pinned "
+                                       "host memory as they are produced and come back one layer ahead of the "
+                                       "backward (the same losses and gradients; docs/usage.md)")  # fmt: skip
     aux_loss_coef: float = option(0.0, MODEL, "sequence-wise MoE balance loss weight (0 = off)")
     loss_chunk_mib: int = option(256, MODEL, "the LM / MTP loss runs over chunks of tokens whose fp32 logits fit "
                                  "in this many MiB, never holding [tokens, vocab] logits; 0 = materialised logits")  # fmt: skip

@@ -106,6 +106,9 @@ def check_inputs(config: TrainConfig) -> None:
         raise SetupError(f"--long-documents must be one of {LONG_DOCUMENTS}, got {config.long_documents!r}")
     if config.recompute not in RECOMPUTE:
         raise SetupError(f"--recompute must be one of {RECOMPUTE}, got {config.recompute!r}")
+    if config.offload_activations and config.recompute != "full":
+        raise SetupError(f"--offload-activations with --recompute {config.recompute}: what is offloaded is what full "
+                         "recompute keeps of each layer; add --recompute full")  # fmt: skip
     if config.recompute == "full" and (config.aux_loss_coef > 0 or config.indexer_loss_coef > 0):
         raise SetupError(
             f"--recompute full with --aux-loss-coef {config.aux_loss_coef} / --indexer-loss-coef "

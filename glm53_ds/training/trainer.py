@@ -268,7 +268,8 @@ class Trainer(ResumeChecks, TrainSteps):
         tconfig = make_transformer_config(
             cfg, dtype=dtype, expert_model_parallel_size=c.ep, expert_tensor_parallel_size=c.etp,
             moe_seq_aux_loss_coef=c.aux_loss_coef, indexer_loss_coef=c.indexer_loss_coef,
-            loss_chunk_bytes=c.loss_chunk_mib * 2**20, **recompute_overrides(c.recompute),
+            loss_chunk_bytes=c.loss_chunk_mib * 2**20, offload_activations=c.offload_activations,
+            **recompute_overrides(c.recompute),
         )  # fmt: skip
         torch.manual_seed(c.seed)
         use_mtp = cfg.num_nextn_predict_layers > 0
