@@ -210,8 +210,9 @@ def what_would_fit(
     cfg: Glm53Config, memory: RankMemory, seq_length: int, micro_batch: int, bf16: bool = True, lora_rank: int = 0,
 ) -> list[str]:  # fmt: skip
     """For a layout that does not fit: each single change that makes it fit (more recompute, ZeRO 2, SP, twice the
-    GPUs at the same EP x ETP, half the row), else each pair (full recompute with SP, or with twice the GPUs), as a
-    line naming the trainer's flags and the total it gives."""
+    GPUs at the same EP x ETP, half the row, activation offload under full recompute), else each pair (full
+    recompute with SP, with twice the GPUs, or with activation offload), as a line naming the trainer's flags and
+    the total it gives."""
     layout = memory.layout
     full = dataclasses.replace(layout, recompute="full", zero=max(layout.zero, 1))
     singles: list[tuple[str, Layout, int]] = [
@@ -230,12 +231,19 @@ def what_would_fit(
         (f"{2 * layout.world} GPUs", dataclasses.replace(layout, world=2 * layout.world), seq_length)
     )
     singles.append((f"--seq-length {seq_length // 2}", layout, seq_length // 2))
+    if layout.recompute == "full" and not layout.offload_activations:
+        singles.append(
+            ("--offload-activations", dataclasses.replace(layout, offload_activations=True), seq_length)
+        )
     pairs: list[tuple[str, Layout, int]] = [
         (f"--recompute full --sp {sp}", dataclasses.replace(full, sp=sp), seq_length)
         for sp in (2 * layout.sp, 4 * layout.sp, 8 * layout.sp)
     ]
     pairs.append((f"--recompute full and {2 * layout.world} GPUs", dataclasses.replace(full, world=2 * layout.world),
                   seq_length))  # fmt: skip
+    if not layout.offload_activations:
+        pairs.append(("--recompute full --offload-activations", dataclasses.replace(full, offload_activations=True),
+                      seq_length))  # fmt: skip
     for tries in (singles, pairs):
         found = []
         for label, candidate, length in tries:

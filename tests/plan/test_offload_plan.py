@@ -49,3 +49,32 @@ def test_the_planners_command_line_takes_it(capsys):
     assert "--offload-activations" in offloaded["trainer_flags"] and "--offload" not in plain["trainer_flags"]
     assert main([*common, "--recompute", "selective", "--offload-activations"]) == 2
     assert "error: --offload-activations with --recompute selective" in capsys.readouterr().err
+
+
+def test_a_miss_under_full_recompute_names_the_offload(capsys):
+    """A full-recompute layout that fits only with the offload: the planner's "does NOT fit" names it."""
+    import json
+
+    from glm53_ds.plan.__main__ import main
+    from glm53_ds.plan.memory import RESERVE_FRACTION
+
+    common = [
+        "--model-config",
+        "tiny",
+        "--world",
+        "1",
+        "--seq-length",
+        "4096",
+        "--recompute",
+        "full",
+        "--zero",
+        "1",
+    ]
+    totals = []
+    for extra in ([], ["--offload-activations"]):
+        assert main([*common, *extra, "--json"]) == 0
+        totals.append(json.loads(capsys.readouterr().out)["memory"]["total"])
+    between = (totals[0] + totals[1]) / 2 / (1 - RESERVE_FRACTION)  # fits with the offload only
+    assert main([*common, "--gpu-memory", f"{between:.0f}"]) == 0
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "--offload-activations: " in out, out[-1500:]
