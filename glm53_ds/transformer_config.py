@@ -119,6 +119,9 @@ def make_transformer_config(
         moe_router_topk=cfg.num_experts_per_tok,
         moe_shared_expert_intermediate_size=cfg.moe_intermediate_size * cfg.n_shared_experts or None,
         pipeline_dtype=dtype,  # megatron's p2p buffers, when pipeline_model_parallel_size > 1
+        # megatron's default ("full") is deprecated by megatron itself, with a warning on every config; the
+        # empty list is its replacement, the same whole-layer scope
+        cuda_graph_scope=[],
     )
     if mtp:
         if cfg.num_nextn_predict_layers < 1:

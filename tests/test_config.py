@@ -125,3 +125,24 @@ def test_missing_config_file(tmp_path):
 def test_unknown_override_is_refused():
     with pytest.raises(ValueError, match="hc_multi"):
         Glm53Config.from_hf(dict(TINY_TEXT, model_type="glm5_next"), hc_multi=2)
+
+
+def test_the_transformer_config_says_no_deprecation():
+    """Before: megatron's own default cuda_graph_scope ("full") made megatron warn `full scope is deprecated` on
+    every run and conversion. Now the config passes its replacement (the same whole-layer scope); the control:
+    megatron's default still warns."""
+    import warnings
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from glm53_ds.training.presets import tiny
+    from glm53_ds.transformer_config import make_transformer_config
+
+    def scope_warnings(make) -> list[str]:  # type: ignore[no-untyped-def]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make()
+        return [str(w.message) for w in caught if "scope is deprecated" in str(w.message)]
+
+    assert scope_warnings(lambda: make_transformer_config(tiny())) == []
+    assert scope_warnings(lambda: TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1))

@@ -23,6 +23,7 @@ from .config import TrainConfig
 from .metrics import MetricsWriter, StepMetrics
 from .packing import Batch, PackedRowStream
 from .run_plan import RunPlan
+from .run_report import RunReport
 
 if TYPE_CHECKING:
     from .data import SampleStream
@@ -62,6 +63,7 @@ class TrainSteps:
     writer: MetricsWriter | None
     evaluated: int | None
     last_valid: dict[str, Any] | None
+    report: RunReport
 
     @property
     def engine(self) -> Glm53Engine:
@@ -173,6 +175,7 @@ class TrainSteps:
         if self.writer is not None:
             self.writer.write(record)
         self.evaluated, self.last_valid = step, record
+        self.report.evaluated(record)
         return record
 
     def _token_normalizers(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:

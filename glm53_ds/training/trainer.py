@@ -48,12 +48,13 @@ from ..transformer_config import make_transformer_config
 from .args import build_parser
 from .config import SetupError, TrainConfig, recompute_overrides
 from .data import SampleStream, load_tokenizer, open_stream
-from .metrics import MetricsWriter, WandbRun, format_record, loggable, plot_loss
+from .metrics import MetricsWriter, WandbRun, loggable, plot_loss
 from .model_converters import adapters_of, apply_converters, model_converters
 from .packing import PackedRowStream, hold_out
 from .resume import ResumeChecks, schedule_record
 from .run_file import parse_with_config, write_run_file
 from .run_plan import RunPlan, agreed, model_config, or_setup_error, report_error
+from .run_report import RunReport, kernels_line
 from .state import TrainingState
 from .step import TrainingStopped, TrainSteps
 from .stop_signals import Interrupted, StopSignals, signal_name
@@ -95,6 +96,7 @@ class Trainer(ResumeChecks, TrainSteps):
         self._skipped_updates = 0  # steps whose global batch held no target tokens
         self.flops: StepFlops | None = None  # the FLOP model of a step (set in setup)
         self.peak_tflops: float | None = None  # the GPU's bf16 peak: --peak-tflops, or known by its name
+        self.report = RunReport()  # the periodic lines' interval throughput, the end-of-run summary
 
     def close(self) -> None:
         """Release what the run holds (the engine, the --save lock); every exit path."""
@@ -188,6 +190,7 @@ class Trainer(ResumeChecks, TrainSteps):
 
         self.layout = init_layout(c.ep, c.etp, cfg, sp=c.sp)
         model = agreed(self._build_model)  # a damaged --hf-dir file found by one rank is said once, naming it
+        self._say(kernels_line(model, torch.device("cuda" if torch.cuda.is_available() else "cpu")))
         self.flops = step_flops(
             cfg, c.seq_length, mtp=model.mtp is not None, base_trained=self.adapters is None
         )
@@ -336,8 +339,9 @@ class Trainer(ResumeChecks, TrainSteps):
             if self.last_valid is not None:  # the latest validation loss beside the training one
                 shown["valid_lm_loss"] = f"{self.last_valid['valid_lm_loss']:.3f}"
             self.progress.set_postfix(**shown)
-            if self.config.log_interval and record["step"] % self.config.log_interval == 0:
-                self.progress.write(format_record(record))
+        line = self.report.step(record, self.config.log_interval)
+        if line is not None and self.progress is not None:
+            self.progress.write(line)
 
     def finish(self) -> None:
         c = self.config
@@ -366,6 +370,8 @@ class Trainer(ResumeChecks, TrainSteps):
                 self._say(f"--export-adapter: {notice}")
             self._say(f"exported {c.export_adapter} (PEFT LoRA adapter of transformers' glm5_next, step "
                       f"{c.train_iters})")  # fmt: skip
+        exports = [path for path in (c.export_hf, c.export_adapter) if path]
+        self._say(self.report.summary(c.output_dir, self.last_saved, exports, plot=self.writer is not None))
 
     def run(self) -> dict[str, Any]:
         self.setup()
@@ -419,8 +425,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(line, file=sys.stderr)
         trainer = Trainer(TrainConfig.from_args(args))
         last = trainer.run()
-        if dist.is_initialized() and dist.get_rank() == 0 and last:
-            print("final: " + format_record(last))
+        final = trainer.report.final_line()
+        if dist.is_initialized() and dist.get_rank() == 0 and last and final:
+            print(final)
         return 0
     except SetupError as e:
         stop.quiet()
