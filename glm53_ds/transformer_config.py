@@ -50,6 +50,9 @@ class Glm53TransformerConfig(TransformerConfig):
     # Full recompute only: each layer's kept inputs go to host memory in forward and come back one layer ahead of
     # the backward (layers/activation_offload.py); losses and gradients unchanged bitwise.
     offload_activations: bool = False
+    # > 0: each MoE layer routes and computes its tokens in tiles whose expert activations stay within this many
+    # bytes, each tile recomputed in backward (layers/moe/moe_layer.py); the MoE's peak is one tile's.
+    moe_tile_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.glm, Glm53Config):
@@ -65,6 +68,11 @@ class Glm53TransformerConfig(TransformerConfig):
                 f"recompute_granularity='full' with moe_seq_aux_loss_coef={self.moe_seq_aux_loss_coef} / "
                 f"indexer_loss_coef={self.indexer_loss_coef}: {FULL_RECOMPUTE_LOSSES}; use "
                 "recompute_granularity='selective' (recompute_modules mhc, mlp, moe)"
+            )
+        if self.moe_tile_bytes < 0 or (self.moe_tile_bytes and self.moe_seq_aux_loss_coef > 0):
+            raise ValueError(
+                f"moe_tile_bytes={self.moe_tile_bytes}: must be >= 0, and 0 with moe_seq_aux_loss_coef > 0 (the "
+                "sequence-wise balance loss needs the whole sequence's routing at once)"
             )
         if self.offload_activations and self.recompute_granularity != "full":
             raise ValueError(

@@ -71,6 +71,7 @@ def run_file_arguments(path: str) -> list[str]:
         if name in given:
             out += [f"--{name.replace('_', '-')}", str(given[name])]
     out += ["--offload-activations"] if given.get("offload_activations") else []
+    out += ["--moe-tile-mib", str(given["moe_tile_mib"])] if given.get("moe_tile_mib") else []
     ds = default_deepspeed_config(on_gpu=True)  # the trainer's, on the GPUs the run is planned for
     if given.get("deepspeed_config"):
         try:
@@ -90,7 +91,7 @@ def run_file_arguments(path: str) -> list[str]:
 # The trainer's options the planner takes, and its defaults for them (the released model's usual run, not the
 # tiny CPU job's).
 PLANNER_DEFAULTS = dict(ep=1, etp=1, sp=1, seq_length=8192, micro_batch_size=1, recompute="none", lora_rank=0,
-                        no_mtp=False, offload_activations=False, gpu_memory="141GB")  # fmt: skip
+                        no_mtp=False, offload_activations=False, moe_tile_mib=0, gpu_memory="141GB")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(from_file + argv)
     warnings.filterwarnings("ignore", category=UserWarning)  # megatron's notices about optional kernels
     try:
-        check_numbers(args, dict(world=1, ep=1, etp=1, sp=1, seq_length=1, micro_batch_size=1, lora_rank=0))
+        check_numbers(args, dict(world=1, ep=1, etp=1, sp=1, seq_length=1, micro_batch_size=1, lora_rank=0,
+                                 moe_tile_mib=0))  # fmt: skip
         cfg = named_config(args.model_config)
         if args.no_mtp:
             cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
@@ -134,12 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.offload_activations and args.recompute != "full":
             raise ValueError(f"--offload-activations with --recompute {args.recompute}: what is offloaded is what "
                              "full recompute keeps of each layer; add --recompute full")  # fmt: skip
-        layout = Layout(
-            args.world, args.ep, args.etp, args.sp, args.zero, args.recompute, args.offload_activations
-        )
+        layout = Layout(args.world, args.ep, args.etp, args.sp, args.zero, args.recompute, args.offload_activations,
+                        args.moe_tile_mib)  # fmt: skip
         # the trace first: it joins the layout's fake world, in which the counts' meta build runs too
         profile = plan_activations(cfg, args.seq_length, args.micro_batch_size, args.ep, args.etp, args.sp,
-                                   args.recompute, args.lora_rank, args.offload_activations)  # fmt: skip
+                                   args.recompute, args.lora_rank, args.offload_activations,
+                                   args.moe_tile_mib)  # fmt: skip
         counts = count_parameters(cfg, args.ep, args.etp, lora_rank=args.lora_rank)
         memory = rank_memory(cfg, layout, args.seq_length, args.micro_batch_size, gpu, counts, bf16=not args.fp32,
                              lora_rank=args.lora_rank, profile=profile)  # fmt: skip
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "model": args.model_config, "world": args.world, "ep": args.ep, "etp": args.etp, "sp": args.sp,
         "zero": args.zero, "dtype": "fp32" if args.fp32 else "bf16", "lora_rank": args.lora_rank,
-        "offload_activations": args.offload_activations,
+        "offload_activations": args.offload_activations, "moe_tile_mib": args.moe_tile_mib,
         "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size, "recompute": args.recompute,
         "parameters": {"total": counts.total, "active": counts.active, "trained": counts.trained,
                        "frozen": counts.frozen, "buffers": counts.buffers},

@@ -200,10 +200,10 @@ def dry_run(
 
 def rank_model_on_meta(
     cfg: Glm53Config, ep: int = 1, etp: int = 1, sp: int = 1, rank: int = 0, lora_rank: int = 0,
-    recompute: str = "none", gpt_model_length: int = 0, offload_activations: bool = False,
+    recompute: str = "none", gpt_model_length: int = 0, offload_activations: bool = False, moe_tile_mib: int = 0,
 ) -> tuple[torch.nn.Module, Any]:  # fmt: skip
     """Rank `rank` of a fake world of EP x ETP x SP ranks (joined here): its model as the trainer builds it (bf16,
-    the LoRA adapters and trainable set of a run, the `--recompute` mode and activation offload), on the meta
+    the LoRA adapters and trainable set of a run, the `--recompute` mode, activation offload and MoE tiles), on the meta
     device, and its expert shard.
     `gpt_model_length` > 0: a stock megatron `GPTModel` from the specs for sequences of that length instead."""
     fake_world(ep * etp * sp, rank)
@@ -212,7 +212,7 @@ def rank_model_on_meta(
     tconfig = make_transformer_config(cfg, torch.bfloat16, mtp=gpt_model and cfg.num_nextn_predict_layers > 0,
                                       expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
                                       perform_initialization=False, loss_chunk_bytes=LOSS_CHUNK_MIB * 2**20,
-                                      offload_activations=offload_activations,
+                                      offload_activations=offload_activations, moe_tile_bytes=moe_tile_mib * 2**20,
                                       **recompute_overrides(recompute))  # fmt: skip
     with torch.device("meta"):
         model = _gpt_model(cfg, tconfig, gpt_model_length) if gpt_model else Glm53Model(

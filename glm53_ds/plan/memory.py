@@ -49,10 +49,12 @@ class Layout:
     zero: int
     recompute: str
     offload_activations: bool = False  # full recompute's kept layer inputs in host memory
+    moe_tile_mib: int = 0  # the MoE over tiles of tokens (0: untiled)
 
     def __str__(self) -> str:
         return (f"world {self.world}: EP {self.ep} x ETP {self.etp} x SP {self.sp}, ZeRO {self.zero}, "
-                f"recompute {self.recompute}{', activations offloaded' if self.offload_activations else ''}")  # fmt: skip
+                f"recompute {self.recompute}{', activations offloaded' if self.offload_activations else ''}"
+                f"{f', MoE tiles of {self.moe_tile_mib} MiB' if self.moe_tile_mib else ''}")  # fmt: skip
 
     def deepspeed_config(self, bf16: bool = True) -> str:
         """The shipped DeepSpeed config of this ZeRO stage and dtype (ds_configs/)."""
@@ -68,6 +70,7 @@ class Layout:
         """The layout as `deepspeed launch/train.py` takes it (world: the launcher's GPUs)."""
         return (f"--ep {self.ep} --etp {self.etp} --sp {self.sp} --recompute {self.recompute} "
                 f"{'--offload-activations ' if self.offload_activations else ''}"
+                f"{f'--moe-tile-mib {self.moe_tile_mib} ' if self.moe_tile_mib else ''}"
                 f"--deepspeed_config {self.deepspeed_config(bf16)}")  # fmt: skip
 
     def config_section(self, bf16: bool = True) -> str:
@@ -75,6 +78,7 @@ class Layout:
         return (f"[parallelism]\nep = {self.ep}\netp = {self.etp}\nsp = {self.sp}\n"
                 f"[model]\nrecompute = \"{self.recompute}\"\n"
                 f"{'offload_activations = true' + chr(10) if self.offload_activations else ''}"
+                f"{f'moe_tile_mib = {self.moe_tile_mib}' + chr(10) if self.moe_tile_mib else ''}"
                 f"[deepspeed]\ndeepspeed_config = \"{self.deepspeed_config(bf16)}\"")  # fmt: skip
 
 
@@ -119,7 +123,8 @@ def rank_memory(
     the planner's meta builds run too)."""
     if profile is None:
         profile = plan_activations(cfg, seq_length, micro_batch, layout.ep, layout.etp, layout.sp,
-                                   layout.recompute, lora_rank, layout.offload_activations)  # fmt: skip
+                                   layout.recompute, lora_rank, layout.offload_activations,
+                                   layout.moe_tile_mib)  # fmt: skip
     if counts is None:
         counts = count_parameters(cfg, layout.ep, layout.etp, lora_rank=lora_rank,
                                   mtp=cfg.num_nextn_predict_layers > 0)  # fmt: skip

@@ -106,6 +106,11 @@ def check_inputs(config: TrainConfig) -> None:
         raise SetupError(f"--long-documents must be one of {LONG_DOCUMENTS}, got {config.long_documents!r}")
     if config.recompute not in RECOMPUTE:
         raise SetupError(f"--recompute must be one of {RECOMPUTE}, got {config.recompute!r}")
+    if config.moe_tile_mib < 0:
+        raise SetupError(f"--moe-tile-mib must be >= 0 (0: untiled), got {config.moe_tile_mib}")
+    if config.moe_tile_mib and config.aux_loss_coef > 0:
+        raise SetupError(f"--moe-tile-mib {config.moe_tile_mib} with --aux-loss-coef {config.aux_loss_coef}: the "
+                         "sequence-wise balance loss needs the whole sequence's routing at once; set one to 0")  # fmt: skip
     if config.offload_activations and config.recompute != "full":
         raise SetupError(f"--offload-activations with --recompute {config.recompute}: what is offloaded is what full "
                          "recompute keeps of each layer; add --recompute full")  # fmt: skip

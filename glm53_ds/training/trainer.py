@@ -272,6 +272,7 @@ class Trainer(ResumeChecks, TrainSteps):
             cfg, dtype=dtype, expert_model_parallel_size=c.ep, expert_tensor_parallel_size=c.etp,
             moe_seq_aux_loss_coef=c.aux_loss_coef, indexer_loss_coef=c.indexer_loss_coef,
             loss_chunk_bytes=c.loss_chunk_mib * 2**20, offload_activations=c.offload_activations,
+            moe_tile_bytes=c.moe_tile_mib * 2**20,
             **recompute_overrides(c.recompute),
         )  # fmt: skip
         torch.manual_seed(c.seed)

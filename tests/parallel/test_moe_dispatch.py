@@ -79,3 +79,56 @@ def test_grouped_dispatch_with_starved_experts_and_ranks_ep2_etp2(tmp_path, chec
         assert r["syncs"].get("backward", 0) == 0, r["sync_sites"]
         assert r["syncs"].get("outside", 0) == 1, r["sync_sites"]
     assert any(r["starved_rank"] for r in results)
+
+
+def tiled_moe(ckpt: str, ep: int, etp: int) -> dict[str, Any]:
+    """Full recompute with the MoE in tiles of a few tokens (`moe_tile_bytes`, layers/moe/moe_layer.py) behind the
+    EP x ETP dispatcher, against the single-process untiled reference on the global batch: each tile's dispatch is
+    a collective, in forward, in the layer's recompute and in the tile's own recompute."""
+    from glm53_ds.layers.moe import Glm53MoE
+
+    layout = setup_ranks(ep, etp)
+    rank, world = layout.rank, layout.world_size
+    ref, model = load_models(ckpt, layout, torch.float32, moe_tile_bytes=4096, recompute_granularity="full",
+                             recompute_method="uniform", recompute_num_layers=1)  # fmt: skip
+    calls = [0]
+    route = Glm53MoE._route
+
+    def counted(self, tokens):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        return route(self, tokens)
+
+    Glm53MoE._route = counted  # type: ignore[method-assign]
+    ids = global_batch(ref.glm.vocab_size, world, seed=11)[0]
+    ref.train()
+    model.train()
+    (ref(ids, labels=ids) * (world / etp)).backward()
+    with torch.no_grad():
+        ref_local = ref(local_rows(ids, rank), labels=local_rows(ids, rank))
+    calls[0] = 0
+    loss = model(local_rows(ids, rank), labels=local_rows(ids, rank))
+    loss.backward()
+    moe = next(m for m in model.modules() if isinstance(m, Glm53MoE))
+    tokens = local_rows(ids, rank).numel()
+    return {
+        "loss_rel_err": rel_err(loss.detach(), ref_local),
+        "expert_grad_err": compare_to_reference(model, ref, layout, use_grad=True)["expert"],
+        "tile": moe.tile_tokens(), "tokens": tokens,
+        # forward (no grad), the layer's recompute, each tile's own recompute: three passes over the tiles
+        "route_calls": calls[0], "moe_layers": sum(isinstance(m, Glm53MoE) for m in model.modules()),
+    }  # fmt: skip
+
+
+@pytest.mark.slow
+def test_tiled_moe_under_ep2_etp2_matches_one_process(tmp_path, checkpoints):
+    full, _ = checkpoints
+    for r in run_world(4, tiled_moe, tmp_path, ckpt=full, ep=2, etp=2):
+        assert 1 < r["tile"] < r["tokens"], r
+        # every call one tile (the last one shorter), each layer's forward and its recompute over all the tiles
+        tiles = -(-r["tokens"] // r["tile"])
+        calls = r["route_calls"]
+        assert (
+            max(calls) == r["tile"] and len(calls) % tiles == 0 and len(calls) >= 2 * tiles * r["moe_layers"]
+        ), r
+        assert r["loss_rel_err"] <= 1e-5, r
+        assert r["expert_grad_err"] <= 1e-5, r

@@ -11,6 +11,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ...parallel.expert_shard import ExpertShard
 from ...parallel.moe_dispatch import ExpertParallelDispatch
@@ -65,6 +66,9 @@ class Glm53MoE(nn.Module):
         # balancer consumes them (parallel/router_balance.py): training state, not a forward output (a forward's
         # own counts and balance loss go to the open ForwardRecord).
         self.seq_aux_loss_coef = float(getattr(config, "moe_seq_aux_loss_coef", 0.0))
+        self.tile_bytes = int(
+            getattr(config, "moe_tile_bytes", 0)
+        )  # 0: all of a micro-batch's tokens at once
         # under SP the balance loss's routing counts span the whole sequence (summed over the SP group)
         self.sequence = SequenceParallel.of(pg_collection)
         self.register_buffer(
@@ -74,28 +78,63 @@ class Glm53MoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
         """hidden_states [s, b, D] -> ([s, b, D], None)."""
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, D]
-        scores, weights, expert_ids = self.router(tokens)
-        routing = RoutedTokens.sort(expert_ids, self.router.num_experts)  # the pairs sorted by expert, once
-        # computed whether or not a record is open: a recompute in backward (after the record closed) must run
-        # the same ops as the forward it replays
+        tile = self.tile_tokens()
         aux = None
-        if self.training and self.seq_aux_loss_coef > 0:
-            aux = self._sequence_aux_loss(scores, expert_ids, hidden_states.shape[:2])
+        if tile < tokens.shape[0]:  # tiles of tokens, each recomputed in backward: one tile's peak
+            routed, counts = self._tiled(tokens, tile)
+        else:
+            routed, counts, scores, expert_ids = self._route(tokens)
+            # computed whether or not a record is open: a recompute in backward (after the record closed) must
+            # run the same ops as the forward it replays
+            if self.training and self.seq_aux_loss_coef > 0:
+                aux = self._sequence_aux_loss(scores, expert_ids, hidden_states.shape[:2])
         if (record := current_record()) is not None:
-            record.expert_loads.append(routing.counts)
+            record.expert_loads.append(counts)
             if aux is not None:
                 record.aux_losses.append(aux)
         if self.training:
             with torch.no_grad():
-                self.expert_load += routing.counts
-        if self.dispatch is None:
-            routed = self.experts(tokens, expert_ids, weights, routing)
-        else:
-            routed = self.dispatch(self.experts, tokens, routing, weights)
+                self.expert_load += counts
         out = routed.view_as(hidden_states)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden_states)[0]
         return out, None
+
+    def _route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """tokens [t, D] -> (their routed experts' weighted sum [t, D], tokens per expert [E], router scores,
+        expert ids): router, the pairs sorted by expert once, the experts (through the EP dispatch)."""
+        scores, weights, expert_ids = self.router(tokens)
+        routing = RoutedTokens.sort(expert_ids, self.router.num_experts)
+        if self.dispatch is None:
+            routed = self.experts(tokens, expert_ids, weights, routing)
+        else:
+            routed = self.dispatch(self.experts, tokens, routing, weights)
+        return routed, routing.counts, scores, expert_ids
+
+    def tile_tokens(self) -> int:
+        """Tokens per tile under `moe_tile_bytes` (a very large number when untiled): the tile's routed rows through
+        one expert FFN (dispatched input, gate/up, activation, output) stay within the budget. The same on every
+        rank of a layout, so every rank runs the same number of tiles (each tile's dispatch is a collective)."""
+        if not self.tile_bytes:
+            return 2**62
+        d, i = self.experts.gate_up_proj.shape[-1], self.experts.intermediate
+        per_token = self.router.top_k * (2 * d + 3 * i) * self.experts.gate_up_proj.element_size()
+        return max(1, self.tile_bytes // per_token)
+
+    def _tiled(self, tokens: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed experts over tiles of `tile` tokens (ALST's tiled MLP): with gradients each tile is a
+        checkpoint, so its routing, dispatch and FFN activations live only while that tile runs, in forward and
+        in backward. Each token is routed as it would be untiled (the router is token-wise)."""
+        outs, counts = [], []
+        for start in range(0, tokens.shape[0], tile):
+            part = tokens[start : start + tile]
+            if torch.is_grad_enabled():
+                routed, n, _, _ = checkpoint(self._route, part, use_reentrant=False)
+            else:
+                routed, n, _, _ = self._route(part)
+            outs.append(routed)
+            counts.append(n)
+        return torch.cat(outs), torch.stack(counts).sum(0)
 
     def _sequence_aux_loss(
         self, scores: torch.Tensor, expert_ids: torch.Tensor, s_b: torch.Size
