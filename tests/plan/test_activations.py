@@ -43,11 +43,14 @@ MEDIUM = dict(
 )  # fmt: skip
 
 
-def _profile(text: dict, length: int, recompute: str, reduced: bool, lora: int = 0):
+def _profile(text: dict, length: int, recompute: str, reduced: bool, lora: int = 0, **overrides):  # type: ignore[no-untyped-def]
     cfg = glm53_ds.Glm53Config.from_text_dict(text)
     torch.manual_seed(0)
     model = build_model(
-        reduced_config(cfg) if reduced else cfg, dtype=torch.float32, **recompute_overrides(recompute)
+        reduced_config(cfg) if reduced else cfg,
+        dtype=torch.float32,
+        **recompute_overrides(recompute),
+        **overrides,
     )
     if lora:
         apply_lora(model, LoraSpec(rank=lora, alpha=float(lora)))
@@ -60,16 +63,17 @@ def _miss(predicted: int, measured: int) -> float:
     return abs(predicted / measured - 1)
 
 
-CASES = [(TEN_LAYERS, 64, mode, 0) for mode in ("none", "selective", "full")] + [
-    (TEN_LAYERS, 256, mode, 0) for mode in ("none", "selective", "full")
-] + [(TEN_LAYERS, 256, "none", 4), (TEN_LAYERS, 256, "full", 4), (MEDIUM, 1024, "none", 0),
-     (MEDIUM, 1024, "full", 0)]  # fmt: skip
+TILES = {"moe_tile_bytes": 2**20}  # the MoE over tiles of ~70 tokens (--moe-tile-mib)
+CASES = [(TEN_LAYERS, 64, mode, 0, {}) for mode in ("none", "selective", "full")] + [
+    (TEN_LAYERS, 256, mode, 0, {}) for mode in ("none", "selective", "full")
+] + [(TEN_LAYERS, 256, "none", 4, {}), (TEN_LAYERS, 256, "full", 4, {}), (MEDIUM, 1024, "none", 0, {}),
+     (MEDIUM, 1024, "full", 0, {}), (MEDIUM, 1024, "full", 0, TILES)]  # fmt: skip
 
 
-@pytest.mark.parametrize("text, length, recompute, lora", CASES)
-def test_the_composed_profile_predicts_the_whole_models_peak(text, length, recompute, lora):
-    cfg, reduced = _profile(text, length, recompute, reduced=True, lora=lora)
-    _, whole = _profile(text, length, recompute, reduced=False, lora=lora)
+@pytest.mark.parametrize("text, length, recompute, lora, overrides", CASES)
+def test_the_composed_profile_predicts_the_whole_models_peak(text, length, recompute, lora, overrides):
+    cfg, reduced = _profile(text, length, recompute, reduced=True, lora=lora, **overrides)
+    _, whole = _profile(text, length, recompute, reduced=False, lora=lora, **overrides)
     kinds = layer_kinds(cfg)
     assert len(set(kinds)) == 3 and reduced_config(cfg).num_hidden_layers == 3
     assert _miss(reduced.peak(kinds), whole.measured_peak) <= TOLERANCE
