@@ -180,10 +180,11 @@ def _in_backward() -> bool:
 
 
 def _project_frame() -> str:
-    """The innermost stack frame in glm53_ds (else the innermost outside torch), as `path:line`."""
+    """The innermost stack frame in glm53_ds (else the innermost outside torch), as `path:line`; a read through
+    `host_reads` is its caller's."""
     frames = traceback.extract_stack()[:-3]
     for f in reversed(frames):
-        if "/glm53_ds/" in f.filename and not f.filename.endswith("host_syncs.py"):
+        if "/glm53_ds/" in f.filename and not f.filename.endswith(("host_syncs.py", "host_reads.py")):
             return f"{f.filename.split('/glm53_ds/')[-1]}:{f.lineno}"
     for f in reversed(frames):
         if "/torch/" not in f.filename:

@@ -37,6 +37,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import host_reads
 from .config import Glm53Config
 from .layers.activation_offload import ActivationOffload
 from .layers.chunked_ce import IGNORE_INDEX, linear_cross_entropy
@@ -329,16 +330,17 @@ class Glm53Model(nn.Module):
         # The forward's one host read (docs/numerics.md, host syncs): the token range, whether the mask has padding
         # at all (without, the layers get no mask and skip the padding rules on the host's knowledge) and the
         # packed documents' boundaries.
-        all_real, cuts = attention_mask is None, None
-        # meta tensors (a shape-only dry run, plan/dry_run.py) have no values to read: the shapes are checked
-        if input_ids.numel() and input_ids.device.type != "meta":
+        all_real, cuts, host = attention_mask is None, None, None
+        if input_ids.numel():
             stats = [input_ids.min()[None], input_ids.max()[None]]
             if attention_mask is not None:
                 stats.append(attention_mask.bool().all().to(input_ids.dtype)[None])
             if cu_seqlens is not None:
                 check_cu_seqlens_type(cu_seqlens)  # before the read; Documents checks the values
                 stats.append(cu_seqlens.to(device=input_ids.device, dtype=input_ids.dtype))
-            host = torch.cat(stats).tolist()
+            # shape-only (the dry run, meta tensors): no values to check, the shapes are
+            host = host_reads.to_list(torch.cat(stats), shape_only=lambda: None)
+        if host is not None:
             low, high, masked = host[0], host[1], attention_mask is not None
             if masked:
                 all_real = bool(host[2])

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .. import host_reads
 from ..transformer_config import Glm53TransformerConfig
 from .linear import ColumnLinear
 
@@ -129,10 +130,8 @@ class DsaIndexer(nn.Module):
         # otherwise which they are is on the device: their indices (`nonzero`), the one host sync of a padded batch's layer.
         if real_length is not None:
             keep: torch.Tensor | slice = slice(0, real_length // self.kpool)
-        elif k.device.type == "meta":
-            keep = slice(0, n_pools)  # a shape-only dry run cannot know which pools are complete: all of them
-        else:
-            keep = complete.any(0).nonzero()[:, 0]
+        else:  # shape-only (the dry run) cannot know which pools are complete: all of them
+            keep = host_reads.true_indices(complete.any(0), shape_only=lambda: slice(0, n_pools))
         tokens = tokens[:, keep]
         return Pools(
             keys=pool_keys[:, keep], tokens=tokens, complete=complete[:, keep],

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from .. import host_reads
 from .comm import all_to_all, exchange_counts, gather_rows, reduce_rows
 from .expert_shard import ExpertShard, balanced_split
 from .row_permutation import inverse_permutation, permute_rows
@@ -71,8 +72,6 @@ class ExpertParallelDispatch:
         rank, rows received from each, rows of each ETP peer) with one host read."""
         n_local = self.shard.num_local
         send_matrix = routed.counts.view(self.ep_size, n_local)  # [EP destination, E_local]
-        if send_matrix.device.type == "meta":
-            return self._balanced_counts(routed.order.numel())
         recv_matrix = exchange_counts(send_matrix, self.ep_group) if self.ep_size > 1 else send_matrix
         if self.etp_size > 1:
             peers = [torch.empty_like(recv_matrix) for _ in range(self.etp_size)]
@@ -80,22 +79,21 @@ class ExpertParallelDispatch:
             matrix = torch.cat(peers)  # [ETP * EP, E_local]: ETP peer, then EP source
         else:
             matrix = recv_matrix
-        sizes = torch.cat([send_matrix.sum(1), matrix.sum(1)]).tolist()  # the layer's one host sync
+        # the layer's one host sync; shape-only (the dry run): every rank routes its pairs evenly over the experts,
+        # the load the router's bias steers towards
+        sizes = host_reads.to_list(torch.cat([send_matrix.sum(1), matrix.sum(1)]),
+                                   shape_only=lambda: self._balanced_sizes(routed.order.numel()))  # fmt: skip
         send, received = sizes[: self.ep_size], sizes[self.ep_size :]
         etp_rank = dist.get_rank(self.etp_group)
         recv = received[etp_rank * self.ep_size : (etp_rank + 1) * self.ep_size]
         peer_rows = [sum(received[r * self.ep_size : (r + 1) * self.ep_size]) for r in range(self.etp_size)]
         return matrix, send, recv, peer_rows
 
-    def _balanced_counts(self, pairs: int) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
-        """`_counts` for a shape-only dry run (meta tensors: no routing to read): every rank routes its `pairs`
-        evenly over the experts, the load the router's bias steers towards."""
+    def _balanced_sizes(self, pairs: int) -> list[int]:
+        """The host read's values under balanced routing: rows sent to each EP rank, then received from each
+        (ETP peer, EP source)."""
         send = balanced_split(pairs, self.ep_size)
-        recv = [send[dist.get_rank(self.ep_group)]] * self.ep_size
-        matrix = torch.empty(
-            self.etp_size * self.ep_size, self.shard.num_local, dtype=torch.long, device="meta"
-        )
-        return matrix, send, recv, [sum(recv)] * self.etp_size
+        return send + [send[dist.get_rank(self.ep_group)]] * (self.etp_size * self.ep_size)
 
     def __call__(
         self, experts: GroupedExperts, x: torch.Tensor, routed: RoutedTokens, weights: torch.Tensor

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ... import backends
+from ... import backends, host_reads
 from ...parallel.expert_shard import ExpertShard, balanced_split
 from ...transformer_config import Glm53TransformerConfig
 from ..lora import GroupedLora
@@ -202,8 +202,8 @@ class GroupedExperts(nn.Module):
         return out if self.lora is None else out + self.lora.expert_delta("down", local_expert, act)
 
     def _loop(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        on_meta = rows.device.type == "meta"  # a shape-only run (plan/): no counts to read
-        sizes = balanced_split(rows.shape[0], counts.numel()) if on_meta else counts.tolist()
+        # shape-only (plan/): the load the router's bias steers towards
+        sizes = host_reads.to_list(counts, shape_only=lambda: balanced_split(rows.shape[0], counts.numel()))
         chunks = torch.split(rows, sizes)
         outputs = [self.expert_ffn(e, chunk) for e, chunk in enumerate(chunks) if chunk.shape[0] > 0]
         return torch.cat(outputs) if outputs else rows.new_zeros(rows.shape)
