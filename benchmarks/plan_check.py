@@ -6,7 +6,9 @@ A model of `--layers` layers of three kinds (KDA + dense MLP, DSA + MoE, KDA + M
 the planner's prediction (the reduced model's profile, one layer per kind, composed over the layers) vs the whole
 model's step peak measured by the planner's live-storage tracker and, on CUDA, by the caching allocator
 (`max_memory_allocated` above the step's start, parameter gradients dropped as they are accumulated, as the
-tracker leaves them out). Each recompute mode; bf16 on CUDA, fp32 on CPU. Ends with one summary line.
+tracker leaves them out). Each recompute mode, and full recompute with `offload_activations` and MoE tiles (on
+CUDA the allocator sees the device alone: the host copies are not in it, as the planner says); bf16 on CUDA, fp32
+on CPU. Ends with one summary line.
 """
 
 from __future__ import annotations
@@ -41,12 +43,16 @@ def text_config(hidden: int, layers: int) -> dict:
                 index_topk=256)  # fmt: skip
 
 
-def step_peak(cfg, tokens: int, recompute: str, device: torch.device, dtype: torch.dtype, reduced: bool):  # type: ignore[no-untyped-def]
+# each recompute mode, and full recompute with the long-row options (--offload-activations, --moe-tile-mib 1)
+MODES = {"none": {}, "selective": {}, "full": {},
+         "full+offload+tiles": {"offload_activations": True, "moe_tile_bytes": 2**20}}  # fmt: skip
+
+
+def step_peak(cfg, tokens: int, mode: str, device: torch.device, dtype: torch.dtype, reduced: bool):  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     with torch.device(device):
-        model = build_model(
-            reduced_config(cfg) if reduced else cfg, dtype=dtype, **recompute_overrides(recompute)
-        )
+        model = build_model(reduced_config(cfg) if reduced else cfg, dtype=dtype,
+                            **recompute_overrides(mode.split("+")[0]), **MODES[mode])  # fmt: skip
     ids = torch.randint(1, cfg.vocab_size, (1, tokens), device=device)
     profile = profile_step(model, lambda: model(ids, labels=ids))
     allocator = None
@@ -76,7 +82,7 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = glm53_ds.Glm53Config.from_text_dict(text_config(args.hidden, args.layers))
     rows, worst = [], 0.0
-    for mode in ("none", "selective", "full"):
+    for mode in MODES:
         reduced, _ = step_peak(cfg, args.tokens, mode, device, dtype, reduced=True)
         whole, allocator = step_peak(cfg, args.tokens, mode, device, dtype, reduced=False)
         predicted = reduced.peak(layer_kinds(cfg))
@@ -92,7 +98,8 @@ def main() -> None:
     what = "tracker and allocator" if device.type == "cuda" else "tracker"
     print(
         f"plan_check {device.type}: hidden {args.hidden}, {args.tokens} tokens, {args.layers} layers: the "
-        f"composed activation peak within {worst:.1%} of the whole step's ({what}), every recompute mode"
+        f"composed activation peak within {worst:.1%} of the whole step's ({what}), every recompute mode and full "
+        "recompute with activation offload and MoE tiles"
     )
 
 

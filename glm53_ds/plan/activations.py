@@ -50,11 +50,17 @@ from .dry_run import rank_model_on_meta
 MTP_KIND = "mtp"
 
 
+def _pinned(storage: torch.UntypedStorage) -> bool:
+    """A pinned host buffer (the activation offload's): host memory, not the device's."""
+    return storage.device.type == "cpu" and torch.cuda.is_available() and storage.is_pinned()
+
+
 class LiveBytes(TorchDispatchMode):
     """Bytes of the tensor storages allocated under this mode that are alive now (`live`), and the peak since the
     last `mark` (`peak`). An operation's output is an allocation when its storage is none of its inputs' (views,
     in-place and aliasing operations allocate nothing), so parameters, buffers and inputs made before are never
-    counted; a storage that becomes a parameter's gradient leaves the count when it is accumulated (`exclude`)."""
+    counted; a storage that becomes a parameter's gradient leaves the count when it is accumulated (`exclude`);
+    pinned host buffers (the activation offload's, on CUDA) are host memory and not counted."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -71,7 +77,11 @@ class LiveBytes(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
-                if storage._cdata not in inputs and storage._cdata not in self._sizes:
+                if (
+                    storage._cdata not in inputs
+                    and storage._cdata not in self._sizes
+                    and not _pinned(storage)
+                ):
                     self._count(storage)
         # a fused kernel's backward also holds its transient buffers while its gradients exist (fused_kernels.py)
         transient = sum(
