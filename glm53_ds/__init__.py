@@ -11,13 +11,20 @@ use (module `__getattr__`), so `import glm53_ds` and every model module stay Dee
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
-from .config import Glm53Config
-from .hf_loader import load_hf, load_hf_into
-from .model import Glm53Model, build_model
-from .specs import get_glm53_block_spec, get_glm53_mtp_block_spec
-from .transformer_config import make_transformer_config
+# megatron-core announces on import that Transformer Engine / Apex are not installed (five notices); glm53_ds picks
+# its kernels itself (backends.py) and uses neither, so while it imports megatron those notices are left out
+with warnings.catch_warnings():
+    warnings.filterwarnings(
+        "ignore", message=r".*(Transformer Engine|Apex).* not installed", category=UserWarning
+    )
+    from .config import Glm53Config
+    from .hf_loader import load_hf, load_hf_into
+    from .model import Glm53Model, build_model
+    from .specs import get_glm53_block_spec, get_glm53_mtp_block_spec
+    from .transformer_config import make_transformer_config
 
 if TYPE_CHECKING:
     from .engine import build_engine
