@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("verify", help="compare a released checkpoint and a native one")
     c.add_argument("--hf-dir", required=True, help="the released checkpoint")
     c.add_argument("--ckpt", required=True, help="the native checkpoint to compare with it, tensor by tensor")
+    c.add_argument("--all", action="store_true", help="a row for every tensor, equal ones too (default: the "
+                   "differing, missing and extra ones, then the verdict)")  # fmt: skip
     d = sub.add_parser("describe", help="a checkpoint's layout and contents, and whether it is complete")
     d.add_argument("ckpt", help="a training or converted checkpoint directory (follows 'latest')")
     d.add_argument("--tag", default=None, help="a tag instead of 'latest'")
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "describe":
             return describe_checkpoint(args.ckpt, args.tag)
         else:
-            return 0 if verify(args.hf_dir, args.ckpt) == 0.0 else 1
+            return 0 if verify(args.hf_dir, args.ckpt, every_tensor=args.all) == 0.0 else 1
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -16,39 +16,47 @@ from .import_hf import HFSource
 from .names import released_layout
 
 
-def verify(hf_dir: str, ckpt: str, out: Callable[..., object] = print) -> float:
-    """Print one row per released tensor and a verdict line (`verify: OK (...)` when every tensor is equal, else
-    `verify: FAILED (N tensors differ, max ...)`); returns the largest difference (inf for a missing or extra
-    tensor)."""
+def verify(hf_dir: str, ckpt: str, out: Callable[..., object] = print, every_tensor: bool = False) -> float:
+    """Print a row per differing, missing or extra tensor (`every_tensor`: every tensor, ~37,000 rows at the
+    released size) and a verdict line (`verify: OK (...)` when every tensor is equal, else `verify: FAILED (N
+    tensors differ, max ...)`); returns the largest difference (inf for a missing or extra tensor)."""
     native = NativeCheckpoint(ckpt)
     source = HFSource(hf_dir, fp8_dtype=torch.float32)
     cfg = native.model_config
     available = source.released_names(cfg)
     layout = released_layout(cfg, mtp=native.mtp)
     worst, differ = 0.0, 0
-    out(f"{'tensor':<80} {'shape':>20} {'max |diff|':>12}")
+    header = [f"{'tensor':<80} {'shape':>20} {'max |diff|':>12}"]
+
+    def row(line: str, shown: bool = True) -> None:
+        if shown or every_tensor:
+            for text in header:  # once, before the first row
+                out(text)
+            header.clear()
+            out(line)
+
     for name, placements in layout.items():
         if name not in available:
-            out(f"{name:<80} {'-':>20} {'not in HF':>12}")
+            row(f"{name:<80} {'-':>20} {'not in HF':>12}")
             worst, differ = float("inf"), differ + 1
             continue
         try:
             pieces = [native.read_released(p) for p in placements]
         except (KeyError, FileNotFoundError):
-            out(f"{name:<80} {'-':>20} {'not native':>12}")
+            row(f"{name:<80} {'-':>20} {'not native':>12}")
             worst, differ = float("inf"), differ + 1
             continue
         tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         ref = source.read_released(name, available[name], cfg)
         if ref.shape != tensor.shape:
-            out(f"{name:<80} {str(tuple(ref.shape)) + '!=' + str(tuple(tensor.shape)):>20} {'shape':>12}")
+            row(f"{name:<80} {str(tuple(ref.shape)) + '!=' + str(tuple(tensor.shape)):>20} {'shape':>12}")
             worst, differ = float("inf"), differ + 1
             continue
         diff = (ref.double() - tensor.double()).abs().max().item() if ref.numel() else 0.0
         worst, differ = max(worst, diff), differ + (diff != 0.0)
-        out(f"{name:<80} {str(tuple(ref.shape)):>20} {diff:>12.3g}")
+        row(f"{name:<80} {str(tuple(ref.shape)):>20} {diff:>12.3g}", shown=diff != 0.0)
     for name in sorted(set(available) - set(layout)):
-        out(f"{name:<80} {'-':>20} {'only in HF':>12}")
+        row(f"{name:<80} {'-':>20} {'only in HF':>12}")
         worst, differ = float("inf"), differ + 1
     out(f"max difference: {worst:.3g}")
     if differ:

@@ -59,9 +59,17 @@ def test_verify_ends_with_a_verdict(tmp_path):
     rows: list[str] = []
     assert verify(str(hf), native, out=rows.append) == 0.0
     assert rows[-1].startswith("verify: OK (") and rows[-1].endswith(" tensors equal)")
+    # equal tensors get no row (before: a row for each, ~37,000 at the released size); `every_tensor` shows them
+    assert len(rows) == 2 and rows[0].startswith("max difference")
+    every: list[str] = []
+    verify(str(hf), native, out=every.append, every_tensor=True)
+    equal = int(rows[-1].split("(")[1].split()[0])
+    assert len(every) == 1 + equal + 2 and every[0].startswith("tensor")
     rows = []
     other = tmp_path / "other"
     other.mkdir()
     write_hf_checkpoint(other, tiny(), seed=1)  # another model of the same shapes
     verify(str(hf), hf_to_native(str(other), str(tmp_path / "n2")), out=rows.append)
     assert rows[-1].startswith("verify: FAILED (") and "tensors differ, max |diff|" in rows[-1], rows[-1]
+    differing = int(rows[-1].split("(")[1].split()[0])
+    assert rows[0].startswith("tensor") and len(rows) == 1 + differing + 2  # the header, each differing row
