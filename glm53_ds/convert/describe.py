@@ -33,7 +33,7 @@ def describe_checkpoint(path: str, tag: str | None = None, out: Callable[..., ob
                                   else "its own layout only (no layout-free optimizer state)"))  # fmt: skip
     if cfg is not None:
         out(f"  model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
-            f"{cfg.n_routed_experts} experts (top-{cfg.num_experts_per_tok}), MTP {cfg.num_nextn_predict_layers}")  # fmt: skip
+            f"{cfg.n_routed_experts} experts (top-{cfg.num_experts_per_tok}), {_mtp(cfg.num_nextn_predict_layers, ckpt)}")  # fmt: skip
     lora = meta.get("lora")
     if lora is not None:
         what = "the adapters without their base (resumed over the base the run state records)" if (
@@ -54,3 +54,12 @@ def describe_checkpoint(path: str, tag: str | None = None, out: Callable[..., ob
         return 1
     out("  complete: every file present with its size and CRC-32")
     return 0
+
+
+def _mtp(layers: int, ckpt: CheckpointDir) -> str:
+    """The MTP layers the checkpoint holds: the config's count only when its tensors are there."""
+    if not layers:
+        return "no MTP"
+    if ckpt.has_mtp:
+        return f"MTP {layers}"
+    return f"no MTP tensors (the config names {layers} MTP layer{'s' if layers > 1 else ''})"

@@ -127,7 +127,8 @@ def native_to_hf(
         check_template(native, hf_template)
     with staged_dir(out) as tmp:
         writer = ShardWriter(tmp, "model", shard_bytes, index_file="model.safetensors.index.json")
-        bar = tqdm(desc="export", unit="tensor") if progress else None
+        total = len(released_layout(native.model_config, mtp=native.mtp))  # the text model's released tensors
+        bar = tqdm(desc="export", unit="tensor", total=total) if progress else None
         for name, tensor in native.released():
             writer.add(name, tensor)
             if bar is not None:

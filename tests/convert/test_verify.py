@@ -45,6 +45,15 @@ def test_verify_compares_both_tensor_sets(hf_dir, tmp_path):
     rows = []
     assert verify(str(hf_dir), no_mtp, out=rows.append) == float("inf")
     assert any(".layers.4." in r and "only in HF" in r for r in rows)
+    # describe says what the checkpoint holds, not what the config names (before: `MTP 1` without MTP tensors)
+    from glm53_ds.convert.describe import describe_checkpoint
+
+    said: list[str] = []
+    describe_checkpoint(no_mtp, out=said.append)
+    assert any("no MTP tensors (the config names 1 MTP layer)" in r for r in said), said
+    said = []
+    describe_checkpoint(native, out=said.append)
+    assert any(r.endswith("MTP 1") for r in said), said
 
 
 def test_verify_ends_with_a_verdict(tmp_path):
