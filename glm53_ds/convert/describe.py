@@ -60,6 +60,12 @@ def _mtp(layers: int, ckpt: CheckpointDir) -> str:
     """The MTP layers the checkpoint holds: the config's count only when its tensors are there."""
     if not layers:
         return "no MTP"
-    if ckpt.has_mtp:
+    if ckpt.adapters_only:  # its base holds the model's tensors, MTP included
+        return f"MTP {layers}"
+    try:
+        held = ckpt.has_mtp
+    except (OSError, ValueError):  # a damaged index: named below among the problems
+        return f"MTP {layers} (by the config)"
+    if held:
         return f"MTP {layers}"
     return f"no MTP tensors (the config names {layers} MTP layer{'s' if layers > 1 else ''})"
