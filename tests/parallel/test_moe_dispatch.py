@@ -19,6 +19,18 @@ from tests.dist_harness import (
 from tests.model_fixtures import rel_err
 
 
+def _reference_step(ref, model, world: int, etp: int, rank: int):  # type: ignore[no-untyped-def]
+    """The global batch, the single-process reference's backward on it, and its loss on this rank's rows. Each
+    rank's loss is its local mean, so an expert's gradient sums all ranks' local means (world x the global mean's),
+    times the dispatcher's 1/ETP (moe_dispatch.py: DeepSpeed's expert averaging makes it whole)."""
+    ids = global_batch(ref.glm.vocab_size, world, seed=11)[0]
+    ref.train()
+    model.train()
+    (ref(ids, labels=ids) * (world / etp)).backward()
+    with torch.no_grad():
+        return ids, ref(local_rows(ids, rank), labels=local_rows(ids, rank))
+
+
 def moe_dispatch(ckpt: str, ep: int, etp: int) -> dict[str, Any]:
     """The grouped dispatch under EP x ETP against the single-process reference (loop experts) on the global
     batch, with routing forced (router bias) onto experts 0 and 1 only: every other expert, and every EP rank but
@@ -34,14 +46,7 @@ def moe_dispatch(ckpt: str, ep: int, etp: int) -> dict[str, Any]:
             if isinstance(layer, Glm53MoE):
                 layer.router.e_score_correction_bias[:2] = 10.0  # selection only: weights stay the scores
                 layer.experts.moe_impl = "loop" if m is ref else "grouped"
-    ids = global_batch(ref.glm.vocab_size, world, seed=11)[0]
-    ref.train()
-    model.train()
-    # Each rank's loss is its local mean, so an expert's gradient sums all ranks' local means (world x the global
-    # mean's), times the dispatcher's 1/ETP (moe_dispatch.py: DeepSpeed's expert averaging makes it whole).
-    (ref(ids, labels=ids) * (world / etp)).backward()
-    with torch.no_grad():
-        ref_local = ref(local_rows(ids, rank), labels=local_rows(ids, rank))
+    ids, ref_local = _reference_step(ref, model, world, etp, rank)
     with HostSyncCounter(model) as counter:
         loss = model(local_rows(ids, rank), labels=local_rows(ids, rank))
         loss.backward()
@@ -99,12 +104,7 @@ def tiled_moe(ckpt: str, ep: int, etp: int) -> dict[str, Any]:
         return route(self, tokens)
 
     Glm53MoE._route = counted  # type: ignore[method-assign]
-    ids = global_batch(ref.glm.vocab_size, world, seed=11)[0]
-    ref.train()
-    model.train()
-    (ref(ids, labels=ids) * (world / etp)).backward()
-    with torch.no_grad():
-        ref_local = ref(local_rows(ids, rank), labels=local_rows(ids, rank))
+    ids, ref_local = _reference_step(ref, model, world, etp, rank)
     calls.clear()
     loss = model(local_rows(ids, rank), labels=local_rows(ids, rank))
     loss.backward()
