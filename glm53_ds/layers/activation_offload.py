@@ -27,6 +27,11 @@ from torch import nn
 MIN_OFFLOAD_BYTES = 1 << 20  # smaller saved tensors (masks, router outputs) stay where they are
 
 
+def _pool_key(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> tuple[Any, ...]:
+    """Host buffers are reused for tensors of the same shape and dtype (pinned when they come from CUDA)."""
+    return tuple(shape), dtype, device.type == "cuda"
+
+
 @dataclass
 class _Entry:
     host: torch.Tensor | None  # None on meta tensors (a shape-only run: the host copy is a shape, not memory)
@@ -52,16 +57,13 @@ class ActivationOffload:
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The context to run a forward in; each forward starts a new set of entries."""
-        for (
-            entry
-        ) in self._returning:  # their copies ran during the last backward; a host buffer is reused only once
-            for copy in (entry.copied, entry.arrived):  # both are done
+        # the buffers released in the last backward: pooled once the copies that read them are done
+        for entry in self._returning:
+            for copy in (entry.copied, entry.arrived):
                 if copy is not None:
                     copy.synchronize()
             assert entry.host is not None
-            self._pool.setdefault((tuple(entry.shape), entry.dtype, entry.device.type == "cuda"), []).append(
-                entry.host
-            )
+            self._pool.setdefault(_pool_key(entry.shape, entry.dtype, entry.device), []).append(entry.host)
         self.entries, self.offloaded_bytes, self._returning = [], 0, []
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
@@ -87,8 +89,7 @@ class ActivationOffload:
         return len(self.entries) - 1
 
     def _buffer(self, t: torch.Tensor) -> torch.Tensor:
-        key = (tuple(t.shape), t.dtype, t.is_cuda)
-        free = self._pool.get(key)
+        free = self._pool.get(_pool_key(t.shape, t.dtype, t.device))
         if free:
             return free.pop()
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
