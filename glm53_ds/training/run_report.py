@@ -14,14 +14,10 @@ from torch import nn
 
 from .. import backends
 from ..layers.moe.experts import GroupedExperts
-from .metrics import format_record
+from .metrics import StepMetrics, format_record
 
-RATES = (
-    "tokens_per_s",
-    "tokens_per_s_per_gpu",
-    "tflops_per_gpu",
-    "mfu",
-)  # each proportional to 1 / step time
+# the timing fields but the step time itself: each proportional to 1 / step time
+RATES = tuple(key for key in StepMetrics.TIMING if key != "step_time")
 
 
 def kernels_line(model: nn.Module, device: torch.device) -> str:
