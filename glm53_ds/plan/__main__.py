@@ -26,6 +26,7 @@ from ..config import Glm53Config
 from ..parallel.layout import validate_layout
 from ..training.args import build_parser
 from ..training.config import TrainConfig, check_seq_length
+from ..training.option_checks import check_offload
 from ..training.options import add_options, say_defaults
 from ..training.presets import PRESETS, named_config
 from ..training.run_file import config_path, read_config
@@ -133,9 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.world is None:
             raise ValueError("--world is required (or --search for the smallest layouts that fit)")
         validate_layout(args.world, args.ep, args.etp, cfg, sp=args.sp, seq_length=args.seq_length)
-        if args.offload_activations and args.recompute != "full":
-            raise ValueError(f"--offload-activations with --recompute {args.recompute}: what is offloaded is what "
-                             "full recompute keeps of each layer; add --recompute full")  # fmt: skip
+        check_offload(args.offload_activations, args.recompute)
         layout = Layout(args.world, args.ep, args.etp, args.sp, args.zero, args.recompute, args.offload_activations,
                         args.moe_tile_mib)  # fmt: skip
         # the trace first: it joins the layout's fake world, in which the counts' meta build runs too

@@ -111,9 +111,7 @@ def check_inputs(config: TrainConfig) -> None:
     if config.moe_tile_mib and config.aux_loss_coef > 0:
         raise SetupError(f"--moe-tile-mib {config.moe_tile_mib} with --aux-loss-coef {config.aux_loss_coef}: the "
                          "sequence-wise balance loss needs the whole sequence's routing at once; set one to 0")  # fmt: skip
-    if config.offload_activations and config.recompute != "full":
-        raise SetupError(f"--offload-activations with --recompute {config.recompute}: what is offloaded is what full "
-                         "recompute keeps of each layer; add --recompute full")  # fmt: skip
+    check_offload(config.offload_activations, config.recompute)
     if config.recompute == "full" and (config.aux_loss_coef > 0 or config.indexer_loss_coef > 0):
         raise SetupError(
             f"--recompute full with --aux-loss-coef {config.aux_loss_coef} / --indexer-loss-coef "
@@ -199,3 +197,10 @@ def check_save_is_this_runs(config: TrainConfig) -> None:
             f"starting there would replace them. Resume from them with --load {config.save}, give another --save, "
             "or pass --save-into-existing"
         )
+
+
+def check_offload(offload_activations: bool, recompute: str) -> None:
+    """--offload-activations moves what full recompute keeps: refused without it (the trainer and the planner)."""
+    if offload_activations and recompute != "full":
+        raise SetupError(f"--offload-activations with --recompute {recompute}: what is offloaded is what full "
+                         "recompute keeps of each layer; add --recompute full")  # fmt: skip
