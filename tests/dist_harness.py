@@ -13,6 +13,7 @@ rendezvous). Each child writes its result as JSON; a child's exception is re-rai
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import os
@@ -204,10 +205,13 @@ def compare_to_reference(
 
 def make_engine(model, layout, stage: int, dtype: torch.dtype, optimizer: str, lr: float, patch: bool,
             gas: int = 1, overlap_comm: bool = False, clip: float = 0.0,
-            bf16_optimizer: bool = False, sp_reduction: bool = True):  # type: ignore[no-untyped-def]  # fmt: skip
+            bf16_optimizer: bool = False, sp_reduction: bool = True,
+            expert_group: str | None = None):  # type: ignore[no-untyped-def]  # fmt: skip
     """An engine through `glm53_ds.build_engine`; `patch=False` is the control (the gradient-sync patch replaced by
     a no-op for this build only); `sp_reduction=False` the SP control (DeepSpeed told no SP: it averages the
-    gradients of an SP group's shards instead of summing them)."""
+    gradients of an SP group's shards instead of summing them); `expert_group="pure_dp"` the folding control
+    (DeepSpeed's expert-data-parallel group is the layout's `pure_dp_group`, not the ranks holding the same
+    experts)."""
     from unittest import mock
 
     import glm53_ds
@@ -247,6 +251,8 @@ def make_engine(model, layout, stage: int, dtype: torch.dtype, optimizer: str, l
         if not sp_reduction:
             for name, fn in no_sp.items():
                 stack.enter_context(mock.patch.object(DeepSpeedMpu, name, fn))
+        if expert_group is not None:
+            layout = dataclasses.replace(layout, expert_dp_group=getattr(layout, f"{expert_group}_group"))
         engine = glm53_ds.build_engine(model, config, optimizer=make_optimizer, layout=layout)
         if not sp_reduction:
             side = engine.fp32_params

@@ -1,10 +1,15 @@
 """The parallel layout of a run: process groups for ETP x EP x SP (x DP), built once, passed to whoever needs them.
 
-Rank order (fastest first) TP-ETP-EP-SP-DP, TP = PP = 1 (attention replicated):
-    rank = etp_rank + ETP * (ep_rank + EP * (sp_rank + SP * dp_rank))
+Two decompositions of the same ranks (megatron-core's "MoE parallel folding"), TP = PP = 1 (attention replicated):
+    attention (and everything token-local):  rank = etp_rank + ETP * (sp_rank + SP * dp_rank)
+    routed experts (megatron's expert order): rank = etp_rank + ETP * (ep_rank + EP * expert_dp_rank)
+The world must be divisible by ETP x SP and by ETP x EP, not by their product: EP may span the SP ranks (EP 8 x SP 8
+on 8 ranks), since tokens leave Ulysses attention sharded by sequence and the MoE's all-to-all takes any rank's
+tokens. The ETP coordinate is the same in both (the fastest), so the ranks sharing an ETP rank are DeepSpeed's
+sequence-data-parallel group in either view, and the SP coordinate is independent of it.
 `init_layout(ep, etp, sp=1)` (after `torch.distributed` is initialised) builds megatron `parallel_state` with
-EP = `ep`, ETP = `etp` (megatron's expert order ETP-EP-expert-DP is the one above: SP and DP together are megatron's
-expert-data-parallel dimension), and returns a `ParallelLayout` holding
+EP = `ep`, ETP = `etp` (its expert groups are the second decomposition; megatron sees TP = CP = 1, so SP is
+invisible to it), and returns a `ParallelLayout` holding
   - megatron's groups (EP, ETP, expert-data-parallel) and a `pg_collection` that model modules receive, with the
     sequence-parallel group added as `pg_collection.sp` (`SequenceParallel.of(pg_collection)`);
   - `sp_group`: the SP ranks that share one sample, each holding a contiguous 1/SP of its tokens
@@ -14,16 +19,21 @@ expert-data-parallel dimension), and returns a `ParallelLayout` holding
     (DeepSpeed's sequence-data-parallel group);
   - `pure_dp_group`: `dp_group` without the SP ranks (DeepSpeed's data-parallel group when SP > 1);
   - `data_rank` / `data_world`: which samples this rank reads (every rank of an SP group reads the same ones;
-    EP and ETP ranks read different ones). At SP = 1, data_rank = rank.
+    ranks of different SP groups read different ones). At SP = 1, data_rank = rank.
 The replica group of a non-expert parameter is the whole world; an engine reducing over `dp_group` misses the
-ETP peers, which the engine's gradient-sync patch closes. Nothing here imports DeepSpeed.
+ETP peers, which the engine's gradient-sync patch closes. The gradient rules need no particular placement of the
+groups (docs/parallelism.md): a replicated gradient is the sum over the world / (WORLD / SP), an expert shard's the
+sum over its expert-DP group of what its EP group's tokens gave it, divided the same way. Nothing here imports
+DeepSpeed.
 
 World 8, EP2 x ETP2: ETP [0,1],[2,3],...; EP [0,2],[1,3],[4,6],[5,7]; expert-DP [0,4],[1,5],...;
-dp_group [0,2,4,6],[1,3,5,7]. World 8, SP2 x EP2 x ETP2: the same, with SP [0,4],[1,5],[2,6],[3,7].
+dp_group [0,2,4,6],[1,3,5,7]. World 8, SP2 x EP2 x ETP2: the same, with SP [0,2],[1,3],[4,6],[5,7] (= EP).
+World 4, SP2 x EP4 (folded): SP [0,1],[2,3]; EP [0,1,2,3]; expert-DP [0],[1],[2],[3].
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -64,7 +74,7 @@ class ParallelLayout:
     @property
     def data_rank(self) -> int:
         """This rank's sample stream (shared by its SP group): the rank with the SP coordinate removed."""
-        return data_rank(self.rank, self.ep * self.etp, self.sp)
+        return data_rank(self.rank, self.etp, self.sp)
 
     @property
     def expert_group_name(self) -> str:
@@ -82,10 +92,15 @@ class ParallelLayout:
         )
 
 
-def data_rank(rank: int, ep_times_etp: int, sp: int) -> int:
-    """`rank` with its SP coordinate removed (the layout's rank order): its sample stream."""
-    inner, outer = rank % ep_times_etp, rank // ep_times_etp
-    return inner + ep_times_etp * (outer // sp)
+def data_rank(rank: int, etp: int, sp: int) -> int:
+    """`rank` with its SP coordinate removed (rank = etp_rank + ETP * (sp_rank + SP * dp_rank)): its sample
+    stream."""
+    return rank % etp + etp * (rank // (etp * sp))
+
+
+def smallest_world(ep: int, etp: int, sp: int) -> int:
+    """The fewest ranks that hold a layout: a multiple of ETP x SP and of ETP x EP."""
+    return etp * math.lcm(ep, sp)
 
 
 def validate_layout(
@@ -100,10 +115,10 @@ def validate_layout(
     for name, value in (("ep", ep), ("etp", etp), ("sp", sp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if world_size % (sp * ep * etp):
-        raise ValueError(
-            f"world size {world_size} is not divisible by SP x EP x ETP = {sp} x {ep} x {etp} = {sp * ep * etp}"
-        )
+    for label, size in (("EP x ETP", (ep, etp)), ("SP x ETP", (sp, etp))):
+        if world_size % (size[0] * size[1]):
+            raise ValueError(f"world size {world_size} is not divisible by {label} = {size[0]} x {size[1]} = "
+                             f"{size[0] * size[1]}")  # fmt: skip
     if seq_length is not None and seq_length % sp:
         raise ValueError(f"seq_length {seq_length} is not divisible by SP = {sp} (each SP rank holds an equal "
                          "contiguous part of every sequence)")  # fmt: skip
@@ -166,12 +181,11 @@ def init_layout(ep: int = 1, etp: int = 1, cfg: Glm53Config | None = None, sp: i
     # The data-parallel groups: the ranks sharing an ETP rank (the "columns" of the ETP groups), created on every
     # rank in the same order (new_group is collective).
     dp_group, dp_ranks = _new_groups(world, lambda r: (r % etp,))
-    inner = ep * etp
     sp_group, sp_ranks, pure_dp_group, pure_dp_ranks = None, [dist.get_rank()], dp_group, dp_ranks
     if sp > 1:
-        # SP: same ETP, EP and DP coordinates; pure DP: same ETP and SP coordinates
-        sp_group, sp_ranks = _new_groups(world, lambda r: (r % inner, r // (inner * sp)))
-        pure_dp_group, pure_dp_ranks = _new_groups(world, lambda r: (r % etp, (r // inner) % sp))
+        # SP: same ETP and DP coordinates; pure DP: same ETP and SP coordinates
+        sp_group, sp_ranks = _new_groups(world, lambda r: (r % etp, r // (etp * sp)))
+        pure_dp_group, pure_dp_ranks = _new_groups(world, lambda r: (r % etp, (r // etp) % sp))
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     pg_collection.sp = sp_group
     return ParallelLayout(

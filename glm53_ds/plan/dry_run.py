@@ -48,6 +48,7 @@ from ..config import Glm53Config
 from ..layers.fused_kernels import kernel_of_forward
 from ..model import Glm53Model
 from ..parallel import init_layout
+from ..parallel.layout import smallest_world
 from ..specs import get_glm53_block_spec, get_glm53_mtp_block_spec
 from ..training.config import TrainConfig, check_seq_length, recompute_overrides
 from ..training.model_converters import apply_converters, model_converters
@@ -202,11 +203,11 @@ def rank_model_on_meta(
     cfg: Glm53Config, ep: int = 1, etp: int = 1, sp: int = 1, rank: int = 0, lora_rank: int = 0,
     recompute: str = "none", gpt_model_length: int = 0, offload_activations: bool = False, moe_tile_mib: int = 0,
 ) -> tuple[torch.nn.Module, Any]:  # fmt: skip
-    """Rank `rank` of a fake world of EP x ETP x SP ranks (joined here): its model as the trainer builds it (bf16,
+    """Rank `rank` of the smallest fake world that holds EP x ETP x SP (joined here; `layout.smallest_world`): its model as the trainer builds it (bf16,
     the LoRA adapters and trainable set of a run, the `--recompute` mode, activation offload and MoE tiles), on the meta
     device, and its expert shard.
     `gpt_model_length` > 0: a stock megatron `GPTModel` from the specs for sequences of that length instead."""
-    fake_world(ep * etp * sp, rank)
+    fake_world(smallest_world(ep, etp, sp), rank)
     layout = init_layout(ep, etp, cfg, sp=sp)
     gpt_model = gpt_model_length > 0
     tconfig = make_transformer_config(cfg, torch.bfloat16, mtp=gpt_model and cfg.num_nextn_predict_layers > 0,

@@ -163,15 +163,20 @@ def search(
     there, the cheapest first: less recompute, less SP, less ETP, then less memory; when nothing fits, the nearest
     miss. `progress`: called with one line per world searched.
 
-    Layouts: EP, ETP and SP powers of two that divide the experts, their FFN width, the heads and the length;
-    ZeRO 1 and 2; each recompute mode. A layout whose training state alone does not fit is not traced; the others'
-    activations are traced once per EP x ETP x SP x recompute (EP matters: the backward holds the local experts'
-    weight gradients for a moment)."""
+    Layouts: EP, ETP and SP powers of two that divide the experts, their FFN width, the heads and the length (EP
+    may span the SP ranks: the world divisible by ETP x SP and by ETP x EP); ZeRO 1 and 2; each recompute mode,
+    and full recompute with the kept layer inputs offloaded to the host (the last resort: it moves them over PCIe
+    twice per step). A layout whose training state alone does not fit is not traced; the others' activations are
+    traced once per EP x ETP x SP x recompute x offload (EP matters: the backward holds the local experts' weight
+    gradients for a moment)."""
     mtp = cfg.num_nextn_predict_layers > 0
     usable = (1 - RESERVE_FRACTION) * gpu
     fake_world(1)  # the counts' meta builds need a world and megatron's state; each trace sets its layout's
     init_layout(1, 1, cfg)
-    profiles: dict[tuple[int, int, int, str], ActivationProfile] = {}
+    variants = [(mode, False) for mode in recompute_modes] + (
+        [("full", True)] if "full" in recompute_modes else []
+    )
+    profiles: dict[tuple[int, int, int, str, bool], ActivationProfile] = {}
     count_cache: dict[tuple[int, int], ParameterCounts] = {}
     nearest: RankMemory | None = None
     for world in worlds:
@@ -190,23 +195,24 @@ def search(
                 state = state_bytes(counts, world, ep, etp, zero, bf16=bf16)
                 if state.total + communication_bytes(zero, bf16) > usable:
                     continue
-                for recompute in recompute_modes:
-                    key = (ep, etp, sp, recompute)
+                for recompute, offload in variants:
+                    key = (ep, etp, sp, recompute, offload)
                     if key not in profiles:
                         profiles[key] = plan_activations(cfg, seq_length, micro_batch, ep, etp, sp, recompute,
-                                                         lora_rank)  # fmt: skip
-                    memory = rank_memory(cfg, Layout(world, ep, etp, sp, zero, recompute), seq_length, micro_batch,
-                                         gpu, counts, bf16, lora_rank, profiles[key])  # fmt: skip
+                                                         lora_rank, offload_activations=offload)  # fmt: skip
+                    memory = rank_memory(cfg, Layout(world, ep, etp, sp, zero, recompute, offload), seq_length,
+                                         micro_batch, gpu, counts, bf16, lora_rank, profiles[key])  # fmt: skip
                     traced += 1
                     if memory.fits:
                         fitting.append(memory)
+                        break  # more recompute or offload at the same layout only costs
                     elif nearest is None or memory.total < nearest.total:
                         nearest = memory
         if progress is not None:
             progress(f"{world} GPUs: {traced} layouts traced, {len(fitting)} fit")
         if fitting:
-            fitting.sort(key=lambda m: (RECOMPUTE_ORDER.index(m.layout.recompute), m.layout.sp, m.layout.etp,
-                                        m.total))  # fmt: skip
+            fitting.sort(key=lambda m: (variants.index((m.layout.recompute, m.layout.offload_activations)),
+                                        m.layout.sp, m.layout.etp, m.total))  # fmt: skip
             return SearchResult(world, fitting[:show])
     return SearchResult(0, [], nearest)
 

@@ -67,7 +67,9 @@ def test_optimizer_state_writing_is_spread_evenly_and_alike_on_every_rank():
 def test_resume_at_other_world_sizes_ep_etp_and_zero_stages(tmp_path):
     common = ["--train-iters", "6", "--global-batch-size", "8", "--micro-batch-size", "2", "--seed", "5"]
     ckpt = tmp_path / "ckpt"
-    full = deepspeed_run(4, *common, "--ep", "2", "--etp", "2", "--deepspeed_config", _ds_config_file(tmp_path, 2),
+    # saved at a folded layout (EP spans the SP ranks: SP2 x EP2 x ETP2 on four ranks), resumed at unfolded ones and
+    # at another folded one
+    full = deepspeed_run(4, *common, "--ep", "2", "--etp", "2", "--sp", "2", "--deepspeed_config", _ds_config_file(tmp_path, 2),
                          "--save", str(ckpt), "--save-interval", "3", "--output-dir", str(tmp_path / "full"))  # fmt: skip
     assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
     reference = {r["step"]: r["lm_loss"] for r in metrics(tmp_path / "full")}
@@ -82,7 +84,7 @@ def test_resume_at_other_world_sizes_ep_etp_and_zero_stages(tmp_path):
         ("world2_ep2", 2, ["--ep", "2", "--deepspeed_config", _ds_config_file(tmp_path, 2)]),
         ("world4_ep4", 4, ["--ep", "4", "--deepspeed_config", _ds_config_file(tmp_path, 2)]),
         ("world4_ep1_zero1", 4, ["--ep", "1", "--deepspeed_config", _ds_config_file(tmp_path, 1)]),
-        ("world4_sp2_ep2", 4, ["--sp", "2", "--ep", "2", "--deepspeed_config", _ds_config_file(tmp_path, 2)]),
+        ("world4_sp2_ep4", 4, ["--sp", "2", "--ep", "4", "--deepspeed_config", _ds_config_file(tmp_path, 2)]),
     ]:
         proc = deepspeed_run(ranks, *common, *args, *load, "--output-dir", str(tmp_path / name))
         assert proc.returncode == 0, (name, proc.stdout[-3000:] + proc.stderr[-3000:])
@@ -140,17 +142,17 @@ def test_resume_at_other_world_sizes_ep_etp_and_zero_stages(tmp_path):
     layout_json.write_text(json.dumps(meta))
     restamp(damaged / "step3", "glm53/layout.json")  # an older checkpoint: whole, without that record
     with pytest.raises(
-        CheckpointError, match=r"no layout-free optimizer state.*\(world_size 4 -> 2, etp 2 -> 1\)"
+        CheckpointError, match=r"no layout-free optimizer state.*\(world_size 4 -> 2, etp 2 -> 1, sp 2 -> 1\)"
     ):
         check_checkpoint_fits(str(damaged), "step3", cfg, here)
     check_checkpoint_fits(str(damaged), "step3", cfg, here, model_only=True)  # weights only: fine
-    same = dict(world_size=4, ep=2, etp=2, sp=1, zero_stage=2, dtype="fp32")
+    same = dict(world_size=4, ep=2, etp=2, sp=2, zero_stage=2, dtype="fp32")
     check_checkpoint_fits(str(damaged), "step3", cfg, same)  # its own layout: DeepSpeed's partitions
     for key in ("sp", "zero_stage", "dtype"):  # older checkpoints recorded world size, EP and ETP only
         del meta[key]
     layout_json.write_text(json.dumps(meta))
     restamp(damaged / "step3", "glm53/layout.json")
-    check_checkpoint_fits(str(damaged), "step3", cfg, dict(same, zero_stage=1, sp=2))  # unrecorded: unchanged
+    check_checkpoint_fits(str(damaged), "step3", cfg, dict(same, zero_stage=1, sp=1))  # unrecorded: unchanged
     with pytest.raises(CheckpointError, match=r"\(ep 2 -> 4\)"):
         check_checkpoint_fits(str(damaged), "step3", cfg, dict(same, ep=4))
 

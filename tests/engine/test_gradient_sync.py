@@ -201,7 +201,8 @@ def training_steps(
                 stack.enter_context(expert_adapters_not_reduced(model))
             engine = make_engine(model, layout, case["stage"], dtype, case["optimizer"], lr, case["patch"], gas=gas,
                              overlap_comm=case.get("overlap_comm", False), bf16_optimizer=case.get("bf16_optimizer", False),
-                             clip=1e9, sp_reduction=case.get("sp_reduction", True))  # fmt: skip
+                             clip=1e9, sp_reduction=case.get("sp_reduction", True),
+                             expert_group=case.get("expert_group"))  # fmt: skip
             steps = _steps(engine, ref, case, lr, gas, rate, rank, world)
         try:
             check_replicas(engine.module, layout)

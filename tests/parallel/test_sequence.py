@@ -46,7 +46,7 @@ def sp_calm_checkpoint(tmp_path_factory):
     return str(path)
 
 
-def _sp_cases(calm: str, control: bool, bf16: bool) -> list[dict]:
+def _sp_cases(calm: str, control: bool, bf16: bool, lora: bool) -> list[dict]:
     # the calm checkpoint (0.3x weight scale): the chaotic one amplifies rounding over two steps beyond the bounds.
     # Measured with the DSA sparse attention, whose latent gradient is summed over the SP ranks' heads (a different
     # association than one process): SP4 SGD 1.8e-5 parameter error after two steps (bound 1e-5), SP2 x EP2 AdamW
@@ -60,31 +60,52 @@ def _sp_cases(calm: str, control: bool, bf16: bool) -> list[dict]:
     ]
     if bf16:
         cases.append(dict(stage=2, optimizer="adamw", patch=True, dtype="bf16", lr=LR_ADAM, ckpt=calm))
-    if control:  # DeepSpeed told no SP: shard gradients averaged, not summed
+    if (
+        lora
+    ):  # LoRA adapters (tests/layers/test_lora_layouts.py's checks): the experts' adapters folded like them
+        cases += [dict(stage=0, optimizer="sgd", patch=True, lora=LORA_RANK, ckpt=calm),
+                  dict(stage=1, optimizer="adamw", patch=True, lr=LR_ADAM, lora=LORA_RANK, ckpt=calm)]  # fmt: skip
+    if control:
+        # DeepSpeed told no SP: shard gradients averaged, not summed
         cases += [dict(stage=0, optimizer="sgd", patch=True, sp_reduction=False),
                   dict(stage=2, optimizer="sgd", patch=True, sp_reduction=False)]  # fmt: skip
+        # the experts reduced over a wrong group (the ranks sharing this rank's ETP and SP ranks, which hold other
+        # experts when EP spans the SP ranks), not the expert-data-parallel group
+        cases.append(dict(stage=0, optimizer="sgd", patch=True, expert_group="pure_dp"))
     return cases
+
+
+LORA_RANK = 4
+
+
+def _is_control(case: dict) -> bool:
+    return not case.get("sp_reduction", True) or "expert_group" in case
 
 
 def _check_sp_steps(results):
     # first-step clipping norm: 2e-5 relative. SP4 on 24-token rows measures 8e-6 in fp32 (SP2: 2e-8): rounding,
     # not the reduction; the same comparison in float64 (sp_parity) agrees to 9e-11
-    kept = [{"steps": [s for s in r["steps"] if s["case"].get("sp_reduction", True)]} for r in results]
+    kept = [{"steps": [s for s in r["steps"] if not _is_control(s["case"])]} for r in results]
     _check_steps(kept, first_norm_tol=2e-5)
     for r in results:
         for s in r["steps"]:
-            if not s["case"].get("sp_reduction", True):  # control: measurably off after two SGD steps
+            if _is_control(s["case"]):  # controls: measurably off after two SGD steps
                 assert max(s["param_err"]["expert"], s["param_err"]["non_expert"]) > 1e-3, s
+            elif s["case"].get("lora"):  # the base frozen and bitwise as loaded; the merged export's tensors
+                assert s["frozen"] > 0 and s["base_unchanged"] and s["update"] > 1e-4, s
+                assert s["merged_err"] <= (1e-6 if s["case"]["optimizer"] == "sgd" else 1e-4), s
 
 
+# Layouts: EP spanning the SP ranks (MoE parallel folding, parallel/layout.py) at world 2 and 4, and SP beside DP.
+# The world-4 SP2 x EP4 run carries the controls; SP2 x EP2 x ETP2 a bf16 case; the folded ones LoRA cases.
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "world, sp, ep, etp",
-    [(4, 2, 2, 1), (4, 2, 1, 1), (4, 4, 1, 1), (8, 2, 2, 2)],
-    ids=["sp2xep2", "sp2xdp2", "sp4", "sp2xep2xetp2"],
+    [(2, 2, 2, 1), (4, 2, 4, 1), (4, 2, 2, 2), (4, 4, 4, 1), (4, 2, 1, 1)],
+    ids=["sp2xep2_world2", "sp2xep4", "sp2xep2xetp2", "sp4xep4", "sp2xdp2"],
 )
 def test_sp_training_steps_match_one_process(tmp_path, sp_checkpoint, sp_calm_checkpoint, world, sp, ep, etp):
-    cases = _sp_cases(sp_calm_checkpoint, control=(world, sp, ep) == (4, 2, 2), bf16=world == 8)
+    cases = _sp_cases(sp_calm_checkpoint, control=(world, sp, ep) == (4, 2, 4), bf16=etp == 2, lora=ep > 1)
     results = run_world(world, sp_suite, tmp_path, ckpt=sp_checkpoint, ep=ep, etp=etp, sp=sp, cases=cases)
     _check_sp_steps(results)
 

@@ -147,7 +147,7 @@ def test_the_command_line(capsys):
     assert memory["communication"] == 2 * 500_000_000 * 2  # ZeRO-2, overlap_comm: two bf16 buckets
     assert {"linear_attention/dense", "mtp"} <= set(memory["activations_by_kind"])
     assert plan_main(["--model-config", "tiny", "--world", "3", "--ep", "2", "--seq-length", "128"]) == 2
-    assert "world size 3 is not divisible by SP x EP x ETP = 1 x 2 x 1" in capsys.readouterr().err
+    assert "world size 3 is not divisible by EP x ETP = 2 x 1" in capsys.readouterr().err
     assert plan_main(["--model-config", "tiny", "--world", "1", "--gpu-memory", "lots"]) == 2
     assert "--gpu-memory 'lots'" in capsys.readouterr().err
     assert plan_main(["--model-config", "tiny", "--world", "3", "--sp", "3", "--seq-length", "128"]) == 2

@@ -116,11 +116,11 @@ def _bad_dataset(tmp_path) -> str:
         (["--hf-dir", "/nonexistent/hf"], "--hf-dir '/nonexistent/hf': no config.json"),
         (
             ["--ep", "4"],
-            "--ep 4 --etp 1 --sp 1: world size 1 is not divisible by SP x EP x ETP = 1 x 4 x 1 = 4",
+            "--ep 4 --etp 1 --sp 1: world size 1 is not divisible by EP x ETP = 4 x 1 = 4",
         ),
         (
             ["--sp", "2"],
-            "--ep 1 --etp 1 --sp 2: world size 1 is not divisible by SP x EP x ETP = 2 x 1 x 1 = 2",
+            "--ep 1 --etp 1 --sp 2: world size 1 is not divisible by SP x ETP = 2 x 1 = 2",
         ),
         (
             ["--global-batch-size", "3"],
