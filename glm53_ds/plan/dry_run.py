@@ -1,8 +1,9 @@
 """A real-size dry run on meta tensors: one rank of a layout, the released model, forward and backward, shape by shape.
 
-    python -m glm53_ds.plan.dry_run --ep 32 --etp 2 --seq-length 131072 [--gpt-model] [--lora-rank 16]
+    python -m glm53_ds.plan.dry_run --ep 32 --etp 2 --seq-length 131072 [--sp 8] [--gpt-model] [--lora-rank 16]
 
-No GPU and no memory: the model is built on the meta device as rank `--rank` of a world of EP x ETP ranks joined
+No GPU and no memory: the model is built on the meta device as rank `--rank` of the smallest world that holds
+EP x ETP x SP (EP may span the SP ranks: parallel/layout.py), joined
 through torch's fake process-group backend (collectives return at once; every group, shard and split size is the
 real layout's), and one micro-batch runs through the loss and back. What runs is the GPU path: every projection,
 norm, mHC mix, router, the expert-parallel all-to-alls and grouped expert GEMMs, the DSA indexer's blocks (larger: a
@@ -48,7 +49,7 @@ from ..config import Glm53Config
 from ..layers.fused_kernels import kernel_of_forward
 from ..model import Glm53Model
 from ..parallel import init_layout
-from ..parallel.layout import smallest_world
+from ..parallel.layout import smallest_world, validate_layout
 from ..specs import get_glm53_block_spec, get_glm53_mtp_block_spec
 from ..training.config import TrainConfig, check_seq_length, recompute_overrides
 from ..training.model_converters import apply_converters, model_converters
@@ -67,6 +68,9 @@ _INT32_STORAGE_OPS = {
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "full", "fill_", "detach",
     "alias", "index", "index_select", "gather", "contiguous", "split", "split_with_sizes", "narrow", "lift_fresh",
     "where", "zeros_like", "ones_like", "full_like", "zero_", "flatten", "unflatten", "_reshape_alias",
+    "zeros", "new_zeros",
+    # collectives move values between ranks (SP gathers the DSA selections, ints, to every rank of the row)
+    "allgather_", "_allgather_base_", "alltoall_base_", "alltoall_", "broadcast_",
 }  # fmt: skip
 
 
@@ -97,6 +101,7 @@ class DryRun:
     rank: int
     lora_rank: int
     gpt_model: bool
+    sp: int = 1
     parameters_held: int = 0  # elements this rank holds
     planned_held: int = 0  # the planner's count (plan/counts.py)
     trained_tensors: int = 0
@@ -110,7 +115,7 @@ class DryRun:
     def summary(self) -> str:
         verdict = "OK" if not self.problems else f"{len(self.problems)} problems"
         return (f"dry run {self.model} ({'GPTModel spec' if self.gpt_model else 'Glm53Model'}), rank {self.rank} "
-                f"of EP {self.ep} x ETP {self.etp}, {self.micro_batch} x {self.seq_length:,} tokens"
+                f"of EP {self.ep} x ETP {self.etp} x SP {self.sp}, {self.micro_batch} x {self.seq_length:,} tokens"
                 f"{f', LoRA rank {self.lora_rank}' if self.lora_rank else ''}: {self.parameters_held:,} parameters "
                 f"held ({self.local_experts} local experts), forward {self.seconds.get('forward', 0):.1f} s, "
                 f"backward {self.seconds.get('backward', 0):.1f} s: {verdict}")  # fmt: skip
@@ -148,14 +153,18 @@ class KernelOperands(TorchDispatchMode):
 
 def dry_run(
     cfg: Glm53Config, seq_length: int, ep: int = 1, etp: int = 1, rank: int = 0, micro_batch: int = 1,
-    lora_rank: int = 0, gpt_model: bool = False, name: str = "model",
+    lora_rank: int = 0, gpt_model: bool = False, name: str = "model", sp: int = 1,
 ) -> DryRun:  # fmt: skip
-    """Rank `rank` of EP x ETP ranks (a fake world of that size, joined here), forward + backward on meta."""
+    """Rank `rank` of the smallest world holding EP x ETP x SP (a fake world, joined here), forward + backward on
+    meta; under SP the rank gets whole rows and runs its shard, as the trainer's ranks do."""
     warnings.filterwarnings("ignore", category=UserWarning)  # megatron's notices about optional kernels
     check_seq_length(seq_length, cfg)
-    report = DryRun(name, seq_length, micro_batch, ep, etp, rank, lora_rank, gpt_model)
+    if gpt_model and sp > 1:
+        raise ValueError("--gpt-model runs without sequence parallelism (a stock GPTModel has no SP groups)")
+    validate_layout(smallest_world(ep, etp, sp), ep, etp, cfg, sp=sp, seq_length=seq_length)
+    report = DryRun(name, seq_length, micro_batch, ep, etp, rank, lora_rank, gpt_model, sp)
     start = time.perf_counter()
-    model, shard = rank_model_on_meta(cfg, ep, etp, rank=rank, lora_rank=lora_rank,
+    model, shard = rank_model_on_meta(cfg, ep, etp, sp, rank=rank, lora_rank=lora_rank,
                                       gpt_model_length=seq_length if gpt_model else 0)  # fmt: skip
     report.seconds["build"] = time.perf_counter() - start
     report.parameters_held = sum(p.numel() for p in model.parameters())
@@ -264,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
                    "config.json (default: glm-5.3-flash)")  # fmt: skip
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--etp", type=int, default=1)
-    p.add_argument("--rank", type=int, default=0, help="which rank of the EP x ETP world to be (default: 0)")
+    p.add_argument("--sp", type=int, default=1, help="sequence-parallel ranks per row (default: 1)")
+    p.add_argument("--rank", type=int, default=0, help="which rank of the layout's world to be (default: 0)")
     p.add_argument("--seq-length", type=int, default=131072)
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--lora-rank", type=int, default=0)
@@ -276,16 +286,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         check_numbers(
-            args, dict(ep=1, etp=1, seq_length=1, micro_batch_size=1, lora_rank=0, layers=0, rank=0)
+            args, dict(ep=1, etp=1, sp=1, seq_length=1, micro_batch_size=1, lora_rank=0, layers=0, rank=0)
         )
-        if args.rank >= args.ep * args.etp:
-            raise ValueError(f"--rank {args.rank} is outside the EP x ETP world of {args.ep * args.etp} ranks "
-                             f"(0 .. {args.ep * args.etp - 1})")  # fmt: skip
+        world = smallest_world(args.ep, args.etp, args.sp)
+        if args.rank >= world:
+            raise ValueError(f"--rank {args.rank} is outside the world of {world} ranks of EP {args.ep} x ETP "
+                             f"{args.etp} x SP {args.sp} (0 .. {world - 1})")  # fmt: skip
         cfg = named_config(args.model_config)
         if args.layers:
             cfg = first_layers(cfg, args.layers)
         report = dry_run(cfg, args.seq_length, args.ep, args.etp, args.rank, args.micro_batch_size, args.lora_rank,
-                         args.gpt_model, name=args.model_config)  # fmt: skip
+                         args.gpt_model, name=args.model_config, sp=args.sp)  # fmt: skip
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,5 @@
 """The real-size dry run (plan/dry_run.py): the released GLM-5.3-Flash, 45 layers, 288 experts, MTP, on meta tensors
-as one rank of EP 32 x ETP 2 (and of EP 8 with LoRA), forward and backward of 131,072 tokens, natively and through a
+as one rank of EP 32 x ETP 2 (and of EP 8 x SP 8 on 8 ranks with LoRA: the experts folded over the SP ranks), forward and backward of 131,072 tokens, natively and through a
 stock megatron GPTModel built from the specs; the index arithmetic at 1,048,576 positions. Each run is its own
 process (it joins a fake world of its layout's size). Controls: the int32 audit, the shard check and the gradient
 check each catch the fault they look for.
@@ -47,12 +47,14 @@ def test_released_model_at_ep32_etp2_128k_tokens():
 
 
 @pytest.mark.slow
-def test_released_model_with_lora_at_ep8_128k_tokens():
-    report = run_dry("--ep", "8", "--seq-length", "131072", "--lora-rank", "16", "--rank", "5")
+def test_released_model_with_lora_at_ep8_sp8_128k_tokens():
+    report = run_dry("--ep", "8", "--sp", "8", "--seq-length", "131072", "--lora-rank", "16", "--rank", "5")
     planned = count_parameters(glm53_flash(), ep=8, lora_rank=16)
     assert report["parameters_held"] == sum(planned.held(k) for k in planned.trained)
-    assert report["local_experts"] == 36
+    assert report["local_experts"] == 36 and report["sp"] == 8
     assert report["trained_tensors"] > 0 and report["int32_ops"] == {}
+    # after the all-to-all each rank attends over the whole row with 64 / 8 heads
+    assert report["kernel_elements"]["DSA sparse attention (Triton)"] == 131072 * 8 * 512
 
 
 @pytest.mark.slow

@@ -178,7 +178,8 @@ def test_the_dry_run_refuses_a_rank_outside_its_world(capsys):
 
     assert dry_run_main(["--model-config", "tiny", "--ep", "2", "--rank", "2", "--seq-length", "64"]) == 2
     assert (
-        capsys.readouterr().err.strip() == "error: --rank 2 is outside the EP x ETP world of 2 ranks (0 .. 1)"
+        capsys.readouterr().err.strip()
+        == "error: --rank 2 is outside the world of 2 ranks of EP 2 x ETP 1 x SP 1 (0 .. 1)"
     )
     assert dry_run_main(["--model-config", "tiny", "--seq-length", "0"]) == 2
     assert "--seq-length must be >= 1, got 0" in capsys.readouterr().err
