@@ -35,7 +35,7 @@ from tests.model_fixtures import rel_err
 LR_ADAM = 1e-3
 
 
-def _cases(calm: str, etp: int) -> list[dict]:
+def _cases(calm: str, etp: int, world: int = 4) -> list[dict]:
     cases = [
         # two SGD steps at lr 0.05 move the full-scale checkpoint by 11%: its fp32 rounding differences (gradients
         # within 1e-4, checked above) grow past the 1e-5 parameter bound when the batch is split eightfold (world 8,
@@ -54,6 +54,12 @@ def _cases(calm: str, etp: int) -> list[dict]:
             dict(stage=0, optimizer="sgd", patch=False),
             dict(stage=2, optimizer="sgd", patch=False, dtype="bf16", ckpt=calm),
         ]
+    if (
+        world == 8
+    ):  # what world 8 adds is data parallelism beside EP x ETP (expert-DP 2, ZeRO over 4 ranks): the
+        # cases whose reductions or partitions span it; the others ran at world 4 (CI's two cores run 8 ranks slowly)
+        keep = (0, 2, 6, 7)
+        cases = [cases[i] for i in keep]
     return cases
 
 
@@ -101,7 +107,9 @@ def _check_steps(results, first_norm_tol: float = 1e-6):
 
 def _run(tmp_path, checkpoints, world, ep, etp):
     full, calm = checkpoints
-    results = run_world(world, layout_suite, tmp_path, ckpt=full, ep=ep, etp=etp, cases=_cases(calm, etp))
+    results = run_world(
+        world, layout_suite, tmp_path, ckpt=full, ep=ep, etp=etp, cases=_cases(calm, etp, world)
+    )
     _check_gradients(results, etp)
     _check_steps(results)
     return results
