@@ -619,8 +619,18 @@ def load_cpu_comm_op() -> None:
         return
     build_dir = _get_build_directory(builder.name, verbose=False)
     os.makedirs(build_dir, exist_ok=True)
+    says = int(os.environ.get("LOCAL_RANK", "0")) == 0  # one line per machine, not one per rank
     with open(os.path.join(build_dir, "glm53_ds.lock"), "a") as guard:
-        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process builds or loads it now: say why this run waits
+            if says:
+                print(f"waiting for another process's build of DeepSpeed's {builder.name} op ({build_dir}; a first "
+                      "build takes 1-2.5 min)", file=sys.stderr, flush=True)  # fmt: skip
+            fcntl.flock(guard, fcntl.LOCK_EX)
+        if says and not any(f.endswith(".so") for f in os.listdir(build_dir)):
+            print(f"building DeepSpeed's {builder.name} op, once per machine (1-2.5 min; kept in {build_dir})",
+                  file=sys.stderr, flush=True)  # fmt: skip
         baton = os.path.join(build_dir, "lock")
         if os.path.exists(baton):
             os.unlink(baton)

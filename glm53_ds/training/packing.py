@@ -5,7 +5,8 @@ Sources:
   - `--pack` with text / jsonl `{"text": ...}` / an indexed dataset: each document (with its end-of-document
     token) is one packed document; every token is a target;
   - chat data, always packed: a `.jsonl` whose lines have `"messages": [{"role": "system"|"user"|"assistant",
-    "content": ...}, ...]` or `"prompt"` + `"completion"`. A conversation is rendered with the tokenizer's chat
+    "content": ...}, ...]` (content a string or OpenAI-style parts `[{"type": "text", "text": ...}]`, joined) or
+    `"prompt"` + `"completion"`. A conversation is rendered with the tokenizer's chat
     template; only assistant (completion) tokens are targets. The template is applied to growing prefixes of the
     conversation: an assistant turn's tokens are those its message adds after the generation prompt, so the role
     header is context and the turn's text and end-of-turn tokens are targets. The byte tokenizer has a built-in
@@ -181,6 +182,10 @@ def _checked_messages(messages: Any, where: str, column: str, field: str = "cont
             raise ValueError(f"{where}: {column}[{i}].tool_calls must be a list, on an assistant turn")
         if content is None and calls:
             content = ""
+        if isinstance(
+            content, list
+        ):  # OpenAI-style content parts: the text parts joined, as GLM's template does
+            content = _text_of_parts(content, where, f"{column}[{i}].{field}")
         if not isinstance(content, str):
             raise ValueError(f"{where}: {column}[{i}].{field} must be a string, got {type(content).__name__}")
         message: dict[str, Any] = {"role": m["role"], "content": content}
@@ -189,6 +194,22 @@ def _checked_messages(messages: Any, where: str, column: str, field: str = "cont
                 message[key] = m[key]
         out.append(message)
     return out
+
+
+def _text_of_parts(parts: list[Any], where: str, column: str) -> str:
+    """`[{"type": "text", "text": ...}, ...]` (or plain strings) -> the texts joined without a separator (the
+    released chat template's `visible_text`); a part of another type is refused: the model reads text only."""
+    texts = []
+    for j, part in enumerate(parts):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}: {column}[{j}] must be {{'type': 'text', 'text': a string}} (GLM-5.3 reads "
+                             f"text only), got type {kind!r}")  # fmt: skip
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def byte_chat_template(messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> list[int]:

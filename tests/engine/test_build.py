@@ -194,3 +194,38 @@ def test_a_build_lock_left_by_a_killed_rank_does_not_hang_the_next_run(tmp_path)
     assert proc is not None and proc.returncode == 0 and "loaded" in proc.stdout, proc and proc.stderr[-2000:]
     assert "a build lock left by a killed run" in proc.stderr
     assert not (tmp_path / "deepspeed_shm_comm" / "lock").exists()
+
+
+def test_a_run_waiting_for_another_processs_op_build_says_so(tmp_path):
+    """Before: a run started while another process built DeepSpeed's CPU comm op waited up to minutes in silence.
+    Here this process holds the build's lock; the run says what it waits for, then loads once the lock is free."""
+    import fcntl
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    deepspeed_internals.load_cpu_comm_op()
+    built = _get_build_directory("deepspeed_shm_comm", verbose=False)
+    if not os.path.exists(os.path.join(built, "deepspeed_shm_comm.so")):
+        pytest.skip("this accelerator has no shared-memory comm op")
+    copy = tmp_path / "deepspeed_shm_comm"
+    shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", "*.lock"))
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "LOCAL_RANK": "0"}
+    call = "from glm53_ds.engine.deepspeed_internals import load_cpu_comm_op; load_cpu_comm_op(); print('loaded')"
+    with open(copy / "glm53_ds.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process's build, in progress
+        proc = subprocess.Popen([sys.executable, "-c", call], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env, cwd=ROOT)  # fmt: skip
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        while line and "waiting for" not in line:
+            line = proc.stderr.readline()
+        assert "waiting for another process's build of DeepSpeed's deepspeed_shm_comm op" in line, line
+        time.sleep(0.5)
+        assert proc.poll() is None  # still waiting while the lock is held
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "loaded" in out, err[-2000:]
+    assert "building" not in err  # built already: nothing to build

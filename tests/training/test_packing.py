@@ -289,3 +289,22 @@ def test_a_raising_chat_template_and_a_deeply_nested_line_name_file_and_line(tmp
     )
     with pytest.raises(ValueError, match=rf"{path}:2: a JSON line nested too deeply to read"):
         open_stream(str(path), ByteTokenizer(), str(tmp_path / "d"), 64, 1, 300, pack=False)
+
+
+def test_openai_content_parts_are_their_texts_joined():
+    """Before: `"content": [{"type": "text", "text": ...}]` (OpenAI-style parts) was refused as not a string. Now
+    the text parts are joined as the released chat template's `visible_text` joins them, and the rendered rows are
+    the string form's; a part of another type is one error naming it."""
+    from glm53_ds.training.packing import chat_messages
+
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "two "}, "parts"]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}]}  # fmt: skip
+    plain = {"messages": [{"role": "user", "content": "two parts"}, {"role": "assistant", "content": "ok"}]}
+    assert chat_messages(parts, "f:1") == chat_messages(plain, "f:1")
+    image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+    with pytest.raises(
+        ValueError, match=r"f:2: messages\[0\]\.content\[0\] must be \{'type': 'text'.*'image_url'"
+    ):
+        chat_messages(image, "f:2")
+    with pytest.raises(ValueError, match=r"f:3: messages\[0\]\.content\[1\] must be .* got type 'text'"):
+        chat_messages({"messages": [{"role": "user", "content": ["a", {"type": "text", "text": 3}]}]}, "f:3")
