@@ -128,6 +128,9 @@ class TrainConfig:
     seed: int = option(1234, DATA)
     # ---- optimization
     train_iters: int = option(60, OPTIMIZATION)
+    train_epochs: float | None = option(None, OPTIMIZATION, "train this many passes over the training samples "
+                                        "(held-out ones excluded): sets the steps, rounded up, once the data is "
+                                        "read (refused together with --train-iters)")  # fmt: skip
     lr: float = option(3e-3, OPTIMIZATION)
     min_lr: float = option(3e-4, OPTIMIZATION, "the cosine decay's floor (default: --lr / 10)")
     warmup: int = option(5, OPTIMIZATION, "linear warmup steps, then cosine decay to --min-lr")
@@ -212,7 +215,11 @@ class TrainConfig:
         # defaults that follow the model, whichever route it came by (--hf-dir, --model-config, --load)
         cfg, name = resolve_model(config.hf_dir, config.model_config, config.load, config.load_tag)
         check_seq_length(config.seq_length, cfg)
-        missing = [option for option in RUN_SCALE_OPTIONS if option not in given]
+        if "train_epochs" in given and "train_iters" in given:
+            raise SetupError(f"--train-epochs {config.train_epochs:g} and --train-iters {config.train_iters}: give "
+                             "one (a --config file's train_iters counts too)")  # fmt: skip
+        scale_given = set(given) | ({"train_iters"} if "train_epochs" in given else set())
+        missing = [option for option in RUN_SCALE_OPTIONS if option not in scale_given]
         if cfg.hidden_size >= REAL_WIDTH and missing:
             raise SetupError(
                 f"{_model_option(config)} is a model of real width ({name}, hidden {cfg.hidden_size}): give "

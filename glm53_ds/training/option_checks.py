@@ -45,6 +45,10 @@ def check_inputs(config: TrainConfig) -> None:
         if not math.isfinite(value) or value < 0:
             raise SetupError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
     positive("eval_iters", config.eval_iters)
+    if config.train_epochs is not None and not (
+        math.isfinite(config.train_epochs) and config.train_epochs > 0
+    ):
+        raise SetupError(f"--train-epochs must be a finite number > 0, got {config.train_epochs}")
     if config.gpus is not None:
         positive("gpus", config.gpus)
     if config.peak_tflops is not None and not (math.isfinite(config.peak_tflops) and config.peak_tflops > 0):

@@ -139,6 +139,8 @@ def _toml_value(value: Any) -> str:
 def run_file_text(config: TrainConfig, parser: argparse.ArgumentParser) -> str:
     """The resolved options as a `--config` file: every option with a value, by table."""
     values = dataclasses.asdict(config)
+    if values.get("train_epochs") is not None:  # the steps follow from the epochs again when replayed
+        values["train_iters"] = None
     lines = ["# the resolved options of this run: `deepspeed launch/train.py --config run.toml` replays it"]
     for table, actions in sections(parser).items():
         entries = [f"{key} = {_toml_value(values[key])}" for key in actions if values.get(key) is not None

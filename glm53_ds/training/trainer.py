@@ -15,6 +15,8 @@ resume.py's `ResumeChecks`.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import sys
 from typing import Any
@@ -175,6 +177,8 @@ class Trainer(ResumeChecks, TrainSteps):
         if c.valid_data:
             self.valid = opened(c.valid_data)
             self._say(self._describe_validation())
+        self._say(self._describe_epochs())
+        c = self.config  # --train-epochs has set the steps
         if (
             c.load
         ):  # another model config, or another layout without layout-free state: refused before any work
@@ -249,6 +253,18 @@ class Trainer(ResumeChecks, TrainSteps):
             self._plan = RunPlan.resolve(c, world, saved_batch)
         elif not c.load:
             RunPlan.resolve(c, world, None)
+
+    def _describe_epochs(self) -> str:
+        """How many steps one pass over the training samples is; under --train-epochs the run's steps (set here,
+        the schedule with them, before anything reads --train-iters)."""
+        c, samples, batch = self.config, self.stream.num_samples, self.plan.global_batch
+        epoch = samples / batch
+        line = f"data: {samples} training samples; one epoch = {epoch:.4g} steps of {batch} samples"
+        if c.train_epochs is None:
+            return line + f"; --train-iters {c.train_iters} = {c.train_iters / epoch:.3g} epochs"
+        steps = max(1, math.ceil(c.train_epochs * samples / batch - 1e-9))
+        self.config = dataclasses.replace(c, train_iters=steps)
+        return line + f"; --train-epochs {c.train_epochs:g}: {steps} steps"
 
     def _describe_validation(self) -> str:
         assert self.valid is not None
