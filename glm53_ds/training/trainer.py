@@ -257,6 +257,7 @@ class Trainer(ResumeChecks, TrainSteps):
     def _describe_epochs(self) -> str:
         """How many steps one pass over the training samples is; under --train-epochs the run's steps (set here,
         the schedule with them, before anything reads --train-iters)."""
+        assert self.stream is not None
         c, samples, batch = self.config, self.stream.num_samples, self.plan.global_batch
         epoch = samples / batch
         line = f"data: {samples} training samples; one epoch = {epoch:.4g} steps of {batch} samples"
