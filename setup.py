@@ -10,7 +10,8 @@ setup(
     # (a bare `torch` from PyPI is the multi-GB CUDA build).
     install_requires=[
         "torch==2.13.0",
-        "megatron-core==0.16.1",
+        # 0.16.1 on Python 3.11 (CI); 0.17-0.19 need Python >= 3.12 (tools/megatron_compat.sh checks one)
+        "megatron-core>=0.16.1,<0.20",
         "deepspeed==0.19.8",
         "transformers==5.23.0",
         "safetensors",

