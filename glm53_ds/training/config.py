@@ -166,6 +166,12 @@ class TrainConfig:
                              "runs/<model>)")  # fmt: skip
     check_replicas_interval: int = option(0, OUTPUT, "also before every save")
     log_interval: int = option(10, OUTPUT)
+    sample_prompts: str | None = option(None, OUTPUT, "generate from these prompts while training (.jsonl: "
+                                        "{\"prompt\": ...} or {\"messages\": [...]}; otherwise one per line): "
+                                        "greedy, through the chat template for chat data; written to <output "
+                                        "dir>/samples.jsonl and TensorBoard / W&B text, the training unchanged")  # fmt: skip
+    sample_interval: int = option(0, OUTPUT, "steps between samples (0: at the end only)")
+    sample_tokens: int = option(48, OUTPUT, "new tokens per sample, at most")
     peak_tflops: float | None = option(None, OUTPUT, "the GPU's dense bf16 peak in TFLOP/s, for the MFU the log "
                                        "shows (default: 989 on H100 / H200, 312 on A100, ...: by the GPU's name; "
                                        "none on CPU)")  # fmt: skip

@@ -79,6 +79,10 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """The bytes among `ids` as text (the end-of-document and padding ids are not bytes)."""
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
     def chat_template_ids(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False
     ) -> list[int]:
@@ -115,6 +119,9 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tok.decode(list(ids), skip_special_tokens=True))
 
     @property
     def chat_template_ids(self) -> Any:

@@ -114,6 +114,19 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.log(scalars, step=record["step"])
 
+    def write_samples(self, step: int, samples: list[dict[str, str]]) -> None:
+        """Generated samples: a line each in samples.jsonl beside metrics.jsonl, and as text in TensorBoard /
+        W&B."""
+        path = os.path.join(os.path.dirname(self.path), "samples.jsonl")
+        with open(path, "a", encoding="utf-8") as f:
+            for sample in samples:
+                f.write(json.dumps({"step": step, **sample}, ensure_ascii=False) + "\n")
+        text = "\n\n".join(f"**{s['prompt']}**\n\n{s['completion']}" for s in samples)
+        if self._tb is not None:
+            self._tb.add_text("samples", text, step)
+        if self._wandb is not None:
+            self._wandb.log({"samples": text}, step=step)
+
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:

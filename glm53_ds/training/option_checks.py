@@ -45,6 +45,16 @@ def check_inputs(config: TrainConfig) -> None:
         if not math.isfinite(value) or value < 0:
             raise SetupError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
     positive("eval_iters", config.eval_iters)
+    positive("sample_tokens", config.sample_tokens)
+    if config.sample_interval < 0:
+        raise SetupError(f"--sample-interval must be >= 0, got {config.sample_interval}")
+    if config.sample_interval and not config.sample_prompts:
+        raise SetupError(
+            f"--sample-interval {config.sample_interval} needs --sample-prompts FILE (the prompts)"
+        )
+    if config.sample_prompts and config.sp > 1:
+        raise SetupError(f"--sample-prompts with --sp {config.sp}: samples are not generated under sequence "
+                         "parallelism (each rank holds a shard of the logits)")  # fmt: skip
     if config.train_epochs is not None and not (
         math.isfinite(config.train_epochs) and config.train_epochs > 0
     ):

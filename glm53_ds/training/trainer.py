@@ -49,7 +49,7 @@ from ..safe_io import DirectoryLock, DiskFull
 from ..transformer_config import make_transformer_config
 from .args import build_parser
 from .config import SetupError, TrainConfig, recompute_overrides
-from .data import SampleStream, load_tokenizer, open_stream
+from .data import SampleStream, is_chat_jsonl, load_tokenizer, open_stream
 from .metrics import MetricsWriter, WandbRun, loggable, plot_loss
 from .model_converters import adapters_of, apply_converters, model_converters
 from .packing import PackedRowStream, hold_out
@@ -57,6 +57,7 @@ from .resume import ResumeChecks, schedule_record
 from .run_file import parse_with_config, write_run_file
 from .run_plan import RunPlan, agreed, model_config, or_setup_error, report_error
 from .run_report import RunReport, kernels_line
+from .samples import Prompt, generate_samples, read_prompts
 from .state import TrainingState
 from .step import TrainingStopped, TrainSteps
 from .stop_signals import Interrupted, StopSignals, signal_name
@@ -77,6 +78,9 @@ class Trainer(ResumeChecks, TrainSteps):
         self.stream: SampleStream | PackedRowStream | None = None
         self.valid: SampleStream | PackedRowStream | None = None  # --valid-data
         self.evaluated: int | None = None  # the step of the last evaluation
+        self.prompts: list[Prompt] | None = None  # --sample-prompts, read at set-up
+        self.sampled: int | None = None  # the step of the last samples
+        self.tokenizer: Any = None
         self.last_valid: dict[str, Any] | None = None  # its record
         self.start_step = 0
         self.load_tag: str | None = None  # --load's tag, verified in setup()
@@ -125,12 +129,15 @@ class Trainer(ResumeChecks, TrainSteps):
 
     def setup(self) -> None:
         c, cfg = self.config, self.cfg
-        tokenizer = or_setup_error(lambda: load_tokenizer(c.tokenizer))
+        tokenizer = self.tokenizer = or_setup_error(lambda: load_tokenizer(c.tokenizer))
         if tokenizer.vocab_size > cfg.vocab_size:
             raise SetupError(
                 f"--tokenizer {c.tokenizer!r} has {tokenizer.vocab_size} tokens, more than the model's vocab_size "
                 f"{cfg.vocab_size}"
             )
+        if c.sample_prompts:  # read now: a bad line is said before any expensive work
+            chat = os.path.isfile(c.data) and is_chat_jsonl(c.data)
+            self.prompts = or_setup_error(lambda: read_prompts(str(c.sample_prompts), tokenizer, chat))
         # the layout and batch sizes in the first seconds, before DeepSpeed starts (its op build can take minutes)
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         or_setup_error(lambda: self._check_layout(world, early=True))
@@ -361,10 +368,27 @@ class Trainer(ResumeChecks, TrainSteps):
         if line is not None and self.progress is not None:
             self.progress.write(line)
 
+    def sample(self, step: int) -> None:
+        """--sample-prompts' completions after `step` steps (every rank generates: the dispatch is collective; rank
+        0 writes them and says the first in one line). The training is left as it was (training/samples.py)."""
+        assert self.prompts is not None
+        c = self.config
+        samples = generate_samples(
+            self.engine.module, self.prompts, self.tokenizer, c.sample_tokens, self.engine.device
+        )
+        self.sampled = step
+        if self.writer is not None:
+            self.writer.write_samples(step, samples)
+            first = samples[0]["completion"].replace("\n", " ")
+            self._say(f"samples at step {step} ({len(samples)}, {os.path.join(c.output_dir, 'samples.jsonl')}): "
+                      f"{samples[0]['prompt'][:40]!r} -> {first[:60]!r}")  # fmt: skip
+
     def finish(self) -> None:
         c = self.config
         if self.valid is not None and self.evaluated != c.train_iters:
             self.evaluate(c.train_iters)
+        if self.prompts is not None and self.sampled != c.train_iters:
+            self.sample(c.train_iters)
         if (
             c.save
             and (not c.save_interval or c.train_iters % c.save_interval)
@@ -402,6 +426,8 @@ class Trainer(ResumeChecks, TrainSteps):
             self._log(self.train_step(step).as_record())
             if self.valid is not None and c.eval_interval and (step + 1) % c.eval_interval == 0:
                 self.evaluate(step + 1)
+            if self.prompts is not None and c.sample_interval and (step + 1) % c.sample_interval == 0:
+                self.sample(step + 1)
             if c.check_replicas_interval and (step + 1) % c.check_replicas_interval == 0:
                 check_replicas(self.engine.module, self.layout)
             if c.save and c.save_interval and (step + 1) % c.save_interval == 0:
