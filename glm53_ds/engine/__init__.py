@@ -12,7 +12,16 @@
   the layout-free optimizer state over the format `glm53_ds/checkpoint/` owns), `export_engine_to_hf` and `export_engine_to_peft`.
 """
 
-from .build import (
+import os
+
+import torch
+
+if "DS_ACCELERATOR" not in os.environ and not torch.accelerator.is_available():
+    # DeepSpeed's own choice on a machine without an accelerator, named before it imports: otherwise every rank
+    # warns "Setting accelerator to CPU" on every run (DS_ACCELERATOR is DeepSpeed's documented override)
+    os.environ["DS_ACCELERATOR"] = "cpu"
+
+from .build import (  # noqa: E402  (after the accelerator is named)
     build_engine,
     close_distributed,
     describe_param_groups,

@@ -229,3 +229,31 @@ def test_a_run_waiting_for_another_processs_op_build_says_so(tmp_path):
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0 and "loaded" in out, err[-2000:]
     assert "building" not in err  # built already: nothing to build
+
+
+def test_importing_the_engine_on_a_cpu_machine_prints_no_accelerator_warning():
+    """Before: every rank of every CPU run printed DeepSpeed's 'Setting accelerator to CPU' warning. The engine
+    package names the accelerator DeepSpeed would pick itself. Control: DeepSpeed imported alone still warns."""
+    import subprocess
+    import sys
+
+    if torch.accelerator.is_available():
+        pytest.skip("a machine with an accelerator: DeepSpeed picks it without a warning")
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+
+    def run(code: str) -> subprocess.CompletedProcess:
+        probe = "; import os; from deepspeed.accelerator import get_accelerator; get_accelerator(); print(os.environ.get('DS_ACCELERATOR'))"
+        proc = subprocess.run([sys.executable, "-c", code + probe], capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc
+
+    ours, alone = run("import glm53_ds.engine"), run("import deepspeed")
+    assert (
+        ours.stdout.splitlines()[-1] == "cpu"
+        and "Setting accelerator to CPU" not in ours.stdout + ours.stderr
+    )
+    # control: DeepSpeed alone guesses, and says so (its logger writes to stdout)
+    assert (
+        alone.stdout.splitlines()[-1] == "None"
+        and "Setting accelerator to CPU" in alone.stdout + alone.stderr
+    )
