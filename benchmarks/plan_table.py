@@ -1,6 +1,6 @@
 """The released model's memory table for docs/usage.md, from the planner (`glm53_ds.plan.memory.search`).
 
-    python benchmarks/plan_table.py [--lengths 8192,32768,131072] [--lora-rank 16]
+    python benchmarks/plan_table.py [--lengths 8192,32768,131072] [--lora-rank 16] [--runs full,lora]
 
 For full fine-tuning and LoRA, at each length, on H200 (141 GB) and H100 (80 GB): the smallest world (GPUs) at
 which some layout fits, and that layout (the cheapest: least recompute, SP and ETP). One markdown row each; the
@@ -24,15 +24,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--lengths", default="8192,32768,131072")
     p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--runs", default="full,lora", help="which runs: full (full SFT), lora, or both")
+    p.add_argument("--gpus", default=",".join(GPUS), help=f"which GPUs of {', '.join(GPUS)}")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     cfg = preset("glm-5.3-flash")
     start, rows = time.process_time(), 0
     print("| run | tokens | GPU | smallest world | layout | per rank (state + activations + buffers) |")
     print("|---|---|---|---|---|---|")
-    for lora in (0, args.lora_rank):
+    runs = {"full": 0, "lora": args.lora_rank}
+    for lora in (runs[r] for r in args.runs.split(",")):
         for length in (int(x) for x in args.lengths.split(",")):
-            for gpu_name, gpu in GPUS.items():
+            for gpu_name in args.gpus.split(","):
+                gpu = GPUS[gpu_name]
                 found = search(cfg, length, 1, gpu, lora_rank=lora)
                 world, fitting = found.world, found.fitting
                 run = f"LoRA r={lora}" if lora else "full SFT"
@@ -42,7 +46,7 @@ def main() -> None:
                 m = fitting[0]
                 lay = m.layout
                 print(f"| {run} | {length:,} | {gpu_name} | {world} | EP {lay.ep} × ETP {lay.etp} × SP {lay.sp}, "
-                      f"ZeRO {lay.zero}, recompute {lay.recompute} | {m.total / GiB:.0f} GiB ({m.state.total / GiB:.0f}"
+                      f"ZeRO {lay.zero}, recompute {lay.recompute}{' + activation offload' if lay.offload_activations else ''} | {m.total / GiB:.1f} GiB ({m.state.total / GiB:.0f}"
                       f" + {m.activations / GiB:.0f} + {m.communication / GiB:.1f}) |", flush=True)  # fmt: skip
                 rows += 1
     print(f"plan_table: {rows} rows, {time.process_time() - start:.0f} s CPU")
