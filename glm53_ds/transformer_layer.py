@@ -40,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from .layers.documents import Documents
 from .layers.masks import token_mask
 from .layers.moe import Glm53MoE
+from .layers.token_tiles import over_token_tiles, tile_rows
 from .mhc import expand_streams, hc_post, pack_streams, unpack_streams
 from .parallel.sequence import SequenceParallel
 
@@ -70,6 +71,14 @@ class Glm53TransformerLayer(TransformerLayer):
         super().__init__(config, submodules, layer_number, hidden_dropout, pg_collection, vp_stage)
         if glm_moe:
             self.mlp = build_module(mlp_spec, config=self.config, pg_collection=self.pg_collection)
+        # a dense MLP over tiles of tokens under the MoE's tile budget (layers/token_tiles.py); the GLM MoE tiles its
+        # routed and shared experts itself
+        self.mlp_tile_tokens = (
+            2**62
+            if glm_moe or not getattr(config, "moe_tile_bytes", 0)
+            else tile_rows(config.moe_tile_bytes, config.hidden_size, config.ffn_hidden_size,
+                           torch.empty((), dtype=config.params_dtype).element_size())
+        )  # fmt: skip
         self.hc_post = functools.partial(hc_post, backend=config.hc_post_impl)
         # fn in the model dtype, as HF keeps it (base/scale stay fp32 inside HyperConnection)
         hc_kwargs = dict(fn_dtype=config.params_dtype)
@@ -146,8 +155,11 @@ class Glm53TransformerLayer(TransformerLayer):
             self.attn_hc, self.input_layernorm, attention, streams, attention_mask=tokens, shared_topk=context
         )
 
-        def ffn(x: torch.Tensor) -> torch.Tensor:
+        def mlp(x: torch.Tensor) -> torch.Tensor:
             return _split(self.mlp(x))[0]
+
+        def ffn(x: torch.Tensor) -> torch.Tensor:
+            return over_token_tiles(mlp, x, self.mlp_tile_tokens)
 
         def ffn_maybe_recomputed(x: torch.Tensor) -> torch.Tensor:
             return self._maybe_recompute(self.recompute_ffn, ffn, x)

@@ -18,6 +18,7 @@ from ...parallel.moe_dispatch import ExpertParallelDispatch
 from ...parallel.sequence import SequenceParallel
 from ...transformer_config import Glm53TransformerConfig
 from ..forward_record import current_record
+from ..token_tiles import over_token_tiles, tile_rows
 from .experts import GroupedExperts
 from .router import TopKRouter
 from .token_permutation import RoutedTokens
@@ -97,7 +98,10 @@ class Glm53MoE(nn.Module):
                 self.expert_load += counts
         out = routed.view_as(hidden_states)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden_states)[0]
+            shared = self.shared_experts
+            rows = tile_rows(self.tile_bytes, hidden_states.shape[-1], shared.config.ffn_hidden_size,
+                             hidden_states.element_size())  # fmt: skip
+            out = out + over_token_tiles(lambda x: shared(x)[0], hidden_states, rows)
         return out, None
 
     def _route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

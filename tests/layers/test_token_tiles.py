@@ -1,0 +1,79 @@
+"""The dense MLPs and the shared expert over tiles of tokens under `moe_tile_bytes` (layers/token_tiles.py; the
+routed experts' tiles: tests/layers/moe/test_tiled_moe.py): each row computed as untiled, so the loss is bitwise the
+same and every gradient within 1e-6 of the largest (the weight gradients sum the tiles' rows in another order), with
+and without full recompute. Control: a tiling that drops a tile's rows changes the loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import glm53_ds
+from glm53_ds.config import Glm53Config
+from glm53_ds.layers import token_tiles
+from glm53_ds.layers.token_tiles import over_token_tiles, tile_rows
+from tests.model_fixtures import CONFIG_A
+
+CFG = Glm53Config.from_text_dict(CONFIG_A)  # layers 0 and 1 dense, the others MoE with a shared expert
+FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+def _step(tile_bytes: int, **overrides):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = glm53_ds.build_model(CFG, mtp=True, moe_tile_bytes=tile_bytes, **overrides)
+    model.train()
+    ids = torch.randint(1, CFG.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    loss = model(ids, labels=ids)
+    loss.backward()
+    return (
+        model,
+        loss.detach(),
+        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+    )
+
+
+def test_tile_rows_follow_the_budget():
+    assert tile_rows(0, 64, 48, 4) == 2**62
+    assert tile_rows((2 * 64 + 3 * 48) * 4 * 7, 64, 48, 4) == 7 and tile_rows(1, 64, 48, 4) == 1
+
+
+@pytest.mark.parametrize("recompute", [{}, FULL], ids=["plain", "full_recompute"])
+def test_tiled_dense_mlps_and_shared_experts_match_the_untiled_layers(recompute, monkeypatch):
+    _, ref_loss, ref_grads = _step(0, **recompute)
+    calls: list[int] = []
+    tiled = token_tiles.over_token_tiles
+
+    def counting(fn, x, tokens):  # type: ignore[no-untyped-def]
+        calls.append(tokens)
+        return tiled(fn, x, tokens)
+
+    for module in ("glm53_ds.transformer_layer", "glm53_ds.layers.moe.moe_layer"):
+        monkeypatch.setattr(f"{module}.over_token_tiles", counting)
+    budget = (
+        (2 * CFG.hidden_size + 3 * CFG.intermediate_size) * 4 * 6
+    )  # 6 dense-MLP tokens: 3 positions x b 2
+    model, loss, grads = _step(budget, **recompute)
+    assert any(t < 40 for t in calls)  # tiles smaller than the micro-batch's 40 tokens ran
+    assert torch.equal(loss, ref_loss)
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+    assert grads.keys() == ref_grads.keys()
+    assert max((grads[k] - ref_grads[k]).abs().max().item() for k in grads) <= 1e-6 * scale
+
+    # control: tiles that lose their second tile's rows
+    def lossy(fn, x, tokens):  # type: ignore[no-untyped-def]
+        out = tiled(fn, x, tokens)
+        rows = max(1, tokens // x.shape[1])
+        if rows >= x.shape[0]:
+            return out
+        return torch.cat([out[:rows], torch.zeros_like(out[rows : 2 * rows]), out[2 * rows :]])
+
+    for module in ("glm53_ds.transformer_layer", "glm53_ds.layers.moe.moe_layer"):
+        monkeypatch.setattr(f"{module}.over_token_tiles", lossy)
+    assert not torch.equal(_step(budget, **recompute)[1], ref_loss)
+
+
+def test_untiled_and_no_grad_paths():
+    x = torch.randn(5, 2, 3)
+    assert over_token_tiles(torch.tanh, x, 2**62) is not None
+    with torch.no_grad():
+        assert torch.equal(over_token_tiles(torch.tanh, x, 4), torch.tanh(x))
