@@ -101,10 +101,13 @@ class TrainConfig:
                      "ranks, attention heads over the same ranks (Ulysses); must divide --seq-length and both "
                      "attention head counts (docs/parallelism.md)")  # fmt: skip
     # ---- data
-    data: str = option(DEFAULT_DATA, DATA, "indexed dataset prefix (.bin/.idx), .jsonl or .txt; a .jsonl of chat "
-                       "conversations ('messages' with system/user/assistant/tool turns, ShareGPT 'conversations', "
-                       "Alpaca 'instruction' + 'output', or 'prompt' + 'completion') trains on assistant tokens, "
-                       "packed (default: data/tiny_corpus.txt)")  # fmt: skip
+    data: tuple[str, ...] = option((DEFAULT_DATA,), DATA, "one or more sources, each PATH or PATH:WEIGHT: an "
+                                   "indexed dataset prefix (.bin/.idx), .jsonl or .txt; a .jsonl of chat "
+                                   "conversations ('messages' with system/user/assistant/tool turns, ShareGPT "
+                                   "'conversations', Alpaca 'instruction' + 'output', or 'prompt' + 'completion') "
+                                   "trains on assistant tokens, packed. Several are mixed by weight (a:3 b:1: 75%% "
+                                   "of the samples from a), each in its own shape; an epoch is as many samples as "
+                                   "they hold together (default: data/tiny_corpus.txt)")  # fmt: skip
     pack: bool = option(False, DATA, "pack whole documents into rows of --seq-length tokens, each computed alone "
                         "(cu_seqlens), instead of windows over the document stream")  # fmt: skip
     long_documents: str = option("split", DATA, "packed / chat data: a document longer than --seq-length is split "
@@ -217,7 +220,10 @@ class TrainConfig:
         given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name, None) is not None}  # fmt: skip
         hf_dir = given.get("hf_dir")
         given.setdefault("tokenizer", hf_dir if hf_dir else "bytes")
-        config = cls(**given)
+        if isinstance(given.get("data"), str):  # one source given in code, not on the command line
+            given["data"] = (given["data"],)
+        options: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}
+        config = cls(**options)
         check_inputs(config)
         # defaults that follow the model, whichever route it came by (--hf-dir, --model-config, --load)
         cfg, name = resolve_model(config.hf_dir, config.model_config, config.load, config.load_tag)

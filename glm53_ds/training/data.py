@@ -31,6 +31,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatase
 
 from ..convert.tokenizer_files import TOKENIZER_FILES
 from ..safe_io import atomic_write_text
+from .mixture import DataSource, MixedStream
 from .packing import (
     Batch,
     PackedRowStream,
@@ -40,6 +41,7 @@ from .packing import (
     chat_messages,
     render_chat,
     subset_identity,
+    window_batch,
 )
 
 BYTE_EOD, BYTE_PAD = 256, 257
@@ -205,11 +207,12 @@ def _dataset_files(prefix: str) -> list[str]:
     return [prefix + ".idx", prefix + ".bin"]
 
 
-def check_data_path(data: str, option: str = "--data") -> None:
-    """FileNotFoundError naming `option` unless `data` is a file or an indexed dataset prefix (.bin + .idx)."""
+def check_data_path(data: str, option: str = "--data", named: str | None = None) -> None:
+    """FileNotFoundError naming `option` (and the entry as given, `named`) unless `data` is a file or an indexed
+    dataset prefix (.bin + .idx)."""
     if not (os.path.isfile(data) or (os.path.isfile(data + ".bin") and os.path.isfile(data + ".idx"))):
         raise FileNotFoundError(
-            f"{option} {data!r}: neither a file nor an indexed dataset prefix (.bin/.idx)"
+            f"{option} {named or data!r}: neither a file nor an indexed dataset prefix (.bin/.idx)"
         )
 
 
@@ -248,7 +251,7 @@ def _text_documents(prefix: str) -> Iterator[tuple[list[int], list[bool]]]:
 
 
 def open_stream(
-    data: str,
+    data: str | Sequence[DataSource],
     tokenizer: ByteTokenizer | HFTokenizer,
     cache_dir: str,
     seq_length: int,
@@ -256,12 +259,20 @@ def open_stream(
     vocab_size: int,
     pack: bool,
     long_documents: str = "split",
-) -> SampleStream | PackedRowStream:
+) -> DataStream:
     """The training data for `--data`: packed rows for chat data or `--pack`, else pretraining windows; tokenized
     and packed into `cache_dir` once (the first caller builds, later ones open the cache). Caches are keyed on the
     data's and the tokenizer's contents. `long_documents`: what packing does with a document longer than a row
-    (`packing.LONG_DOCUMENTS`)."""
-    chat = os.path.isfile(data) and is_chat_jsonl(data)
+    (`packing.LONG_DOCUMENTS`). Several sources (`DataSource`s) are mixed by weight (training/mixture.py), every
+    one packed when any is chat data or `--pack` is given (a micro-batch is one shape)."""
+    if not isinstance(data, str):
+        if len(data) > 1:
+            packed = pack or any(is_chat_source(s.path) for s in data)
+            streams = [open_stream(s.path, tokenizer, cache_dir, seq_length, seed, vocab_size, packed, long_documents)
+                       for s in data]  # fmt: skip
+            return MixedStream(data, streams)
+        data = data[0].path
+    chat = is_chat_source(data)
     if not (chat or pack):
         return SampleStream(resolve_dataset(data, tokenizer, cache_dir), seq_length, seed, vocab_size)
     source = data if chat else resolve_dataset(data, tokenizer, cache_dir)
@@ -279,6 +290,10 @@ def open_stream(
         build_packed(documents, directory, seq_length, tokenizer.pad_id, fingerprint=key, source=f"--data {data}",
                      unit="conversations" if chat else "documents", long_documents=long_documents)  # fmt: skip
     return PackedRowStream(directory, seed, vocab_size)
+
+
+def is_chat_source(data: str) -> bool:
+    return os.path.isfile(data) and is_chat_jsonl(data)
 
 
 class SampleStream:
@@ -330,12 +345,11 @@ class SampleStream:
         return torch.stack([self.sample(i) for i in positions])
 
     def micro_batch(self, consumed: int, micro: int, rank: int, world: int, micro_batch: int) -> Batch:
-        """The same as a model batch: the window minus its last token as input and labels, that token as
-        `next_tokens`."""
-        window = self.batch(consumed, micro, rank, world, micro_batch)
-        return Batch(
-            window[:, :-1], window[:, :-1], next_tokens=window[:, -1:], real_tokens=window[:, :-1].numel()
-        )
+        """The same as a model batch (`window_batch`)."""
+        return window_batch(self.batch(consumed, micro, rank, world, micro_batch))
+
+
+DataStream = SampleStream | PackedRowStream | MixedStream  # what a run reads its batches from
 
 
 def max_token_id(bin_path: str, dtype: np.dtype, chunk_tokens: int = 1 << 24) -> int:

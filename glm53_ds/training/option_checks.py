@@ -14,6 +14,7 @@ from ..safe_io import OutputPathError, check_output_dir, published_tags
 from ..transformer_config import FULL_RECOMPUTE_LOSSES
 from .data import check_data_path
 from .errors import SetupError
+from .mixture import parse_sources
 from .model_source import check_model_config_file
 from .packing import LONG_DOCUMENTS
 from .presets import PRESETS
@@ -74,10 +75,15 @@ def check_inputs(config: TrainConfig) -> None:
         if given:
             raise SetupError(f"{', '.join(given)} without --valid-data or --valid-split: give the validation "
                              "data")  # fmt: skip
-    for option, data_path in (("--data", config.data), ("--valid-data", config.valid_data)):
+    try:
+        sources = parse_sources(config.data)
+    except ValueError as e:
+        raise SetupError(str(e)) from e
+    checked = [("--data", s.path if len(sources) == 1 else s.entry, s.path) for s in sources]
+    for option, named, data_path in [*checked, ("--valid-data", config.valid_data, config.valid_data)]:
         try:
             if data_path is not None:
-                check_data_path(data_path, option)  # in the first seconds, before DeepSpeed starts
+                check_data_path(data_path, option, named)  # in the first seconds, before DeepSpeed starts
         except FileNotFoundError as e:
             raise SetupError(str(e)) from e
     if config.wandb_mode not in ("online", "offline"):

@@ -46,11 +46,21 @@ def flag(field: dataclasses.Field, declared_option: Option) -> str:
     return declared_option.flag or "--" + field.name.replace("_", "-")
 
 
+def _annotation(field: dataclasses.Field) -> str:
+    return field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
+
+
+def takes_several(field: dataclasses.Field) -> bool:
+    """Whether the option takes one or more values (a `tuple[str, ...]` field: `--data a.jsonl:3 b.txt:1`)."""
+    return _annotation(field).startswith("tuple[")
+
+
 def value_type(field: dataclasses.Field) -> type:
-    """The field's value type from its annotation ('int', 'float | None', 'bool', 'str | None')."""
-    annotation = (
-        field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
-    )
+    """The type of the field's value, or of each of its values ('int', 'float | None', 'bool', 'str | None',
+    'tuple[str, ...]')."""
+    annotation = _annotation(field)
+    if takes_several(field):
+        return _TYPES[annotation[len("tuple[") :].split(",")[0].strip()]
     return _TYPES[annotation.split("|")[0].strip()]
 
 
@@ -87,6 +97,8 @@ def add_options(
             kwargs["type"] = kind
         if declared_option.choices is not None:
             kwargs["choices"] = list(declared_option.choices)
+        if takes_several(field):
+            kwargs["nargs"] = "+"
         groups[section].add_argument(flag(field, declared_option), **kwargs)
 
 

@@ -417,17 +417,37 @@ class PackedRowStream:
         return tokens, labels, starts, int(self.real_tokens[r])
 
     def micro_batch(self, consumed: int, micro: int, rank: int, world: int, micro_batch: int) -> Batch:
-        ids, labels, cuts, real = [], [], [], 0
-        for n, position in enumerate(SeededOrder.positions(consumed, micro, rank, world, micro_batch)):
-            t, lab, starts, row_real = self.row(position)
-            ids.append(t)
-            labels.append(lab)
-            cuts.extend((starts + n * self.seq_length).tolist())
-            real += row_real
-        cuts.append(micro_batch * self.seq_length)
-        return Batch(
-            torch.from_numpy(np.concatenate(ids))[None],
-            torch.from_numpy(np.concatenate(labels))[None],
-            cu_seqlens=torch.tensor(cuts, dtype=torch.int32),
-            real_tokens=real,
-        )
+        positions = SeededOrder.positions(consumed, micro, rank, world, micro_batch)
+        return packed_batch([self.row(p) for p in positions], self.seq_length)
+
+
+def packed_rows(stream: Any) -> bool:
+    """Whether a stream gives packed rows (one source's or a mixture's), whose real-token share is worth logging."""
+    return isinstance(stream, PackedRowStream) or bool(getattr(stream, "packed", False))
+
+
+def packed_batch(rows: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, int]], seq_length: int) -> Batch:
+    """Packed rows ((tokens, labels, document starts, real tokens) each) as one micro-batch: one row of
+    `len(rows) * seq_length` tokens, every document its own segment (cu_seqlens)."""
+    ids, labels, cuts, real = [], [], [], 0
+    for n, (t, lab, starts, row_real) in enumerate(rows):
+        ids.append(t)
+        labels.append(lab)
+        cuts.extend((starts + n * seq_length).tolist())
+        real += row_real
+    cuts.append(len(rows) * seq_length)
+    return Batch(
+        torch.from_numpy(np.concatenate(ids))[None],
+        torch.from_numpy(np.concatenate(labels))[None],
+        cu_seqlens=torch.tensor(cuts, dtype=torch.int32),
+        real_tokens=real,
+    )
+
+
+def window_batch(windows: Sequence[torch.Tensor] | torch.Tensor) -> Batch:
+    """Windows of `seq_length + 1` tokens ([n, seq_length + 1] or n of them) as one micro-batch: each window minus
+    its last token as input and labels, that token as `next_tokens`."""
+    window = windows if isinstance(windows, torch.Tensor) else torch.stack(list(windows))
+    return Batch(
+        window[:, :-1], window[:, :-1], next_tokens=window[:, -1:], real_tokens=window[:, :-1].numel()
+    )

@@ -18,12 +18,11 @@ from ..checkpoint.base_weights import HF, NATIVE, base_record, check_base, descr
 from ..checkpoint.publish import shared_checksums
 from .config import SetupError, TrainConfig
 from .model_converters import LoraAdapters
-from .packing import PackedRowStream
 from .run_plan import RunPlan, agreed, or_setup_error
 from .state import TrainingState
 
 if TYPE_CHECKING:
-    from .data import SampleStream
+    from .data import DataStream
 
 
 class ResumeChecks:
@@ -37,8 +36,8 @@ class ResumeChecks:
     base: dict[str, Any] | None
     weights_dir: str | None
     base_checkpoint: tuple[str, str] | None
-    stream: SampleStream | PackedRowStream | None
-    valid: SampleStream | PackedRowStream | None
+    stream: DataStream | None
+    valid: DataStream | None
     start_step: int
     consumed: int
     _saved_state: TrainingState | None = None
@@ -158,7 +157,15 @@ class ResumeChecks:
         if "consumed_samples" not in saved.recorded:
             raise SetupError(f"--load {c.load}: the checkpoint does not record its data position (consumed "
                              "samples); it predates this trainer")  # fmt: skip
-        stored = dict(saved.data)
+        stored, now = dict(saved.data), self.stream.identity
+        if ("mixture" in stored) != ("mixture" in now):
+            counts = [len(d["mixture"]) if "mixture" in d else 1 for d in (now, stored)]  # type: ignore[arg-type]
+            raise SetupError(f"--load {c.load}: this run reads {counts[0]} --data source(s), the checkpoint trained "
+                             f"on {counts[1]}; resuming would re-read or skip samples (use the checkpoint's --data, "
+                             "or start from its weights with --load-model-only: fresh optimizer state, step 0)")  # fmt: skip
+        if "mixture" in now:
+            self._check_mixture(list(stored["mixture"]), list(now["mixture"]))  # type: ignore[call-overload]
+            return
         if (
             "samples" not in stored
         ):  # written before the range was recorded always: unsplit runs read it whole
@@ -188,6 +195,22 @@ class ResumeChecks:
                 "samples (use the same --data, --seq-length and --seed, or start from its weights with "
                 "--load-model-only: fresh optimizer state, step 0)"
             )
+
+    def _check_mixture(self, saved: list[dict[str, Any]], now: list[dict[str, Any]]) -> None:
+        """A mixture resumes over the same sources (by content, not path), weights and order."""
+        c = self.config
+        fix = ("resuming would re-read or skip samples (the checkpoint's sources, weights and order, --seq-length, "
+               "--seed and --valid-split; or start from its weights with --load-model-only: fresh optimizer state, "
+               "step 0)")  # fmt: skip
+        if len(saved) != len(now):
+            raise SetupError(f"--load {c.load}: this run mixes {len(now)} --data sources, the checkpoint "
+                             f"{len(saved)} ({' '.join(str(s['data']) for s in saved)}); {fix}")  # fmt: skip
+        for k, (then, here) in enumerate(zip(saved, now, strict=True)):
+            differ = [f"{key} {here[key]} here, {then[key]} in the checkpoint" for key in here
+                      if key != "data" and key in then and then[key] != here[key]]  # fmt: skip
+            if differ:
+                raise SetupError(f"--load {c.load}: --data source {k + 1} ({here['data']}; the checkpoint's "
+                                 f"{then['data']}) differs: {', '.join(differ)}; {fix}")  # fmt: skip
 
     def _resume(self, saved: TrainingState) -> None:
         """Step, data position (consumed samples), RNG from a training checkpoint (its data checked in set-up); a

@@ -56,6 +56,10 @@ def _as_argv(path: str, key: str, value: Any, action: argparse.Action) -> list[s
         if not isinstance(value, bool):
             raise SetupError(f"{where} = {value!r}: expected true or false")
         return [_flag(action)] if value else []
+    if action.nargs == "+" and isinstance(value, list):  # an option of several values: a TOML array of them
+        if not value or not all(isinstance(v, str) for v in value):
+            raise SetupError(f"{where} = {value!r}: expected a string or a non-empty array of strings")
+        return [_flag(action), *value]
     if isinstance(value, bool) or isinstance(value, dict | list):
         raise SetupError(f"{where} = {value!r}: expected a {getattr(action.type, '__name__', 'str')}")
     if action.type is int and not isinstance(value, int):
@@ -133,6 +137,8 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, int | float):
         return repr(value)
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return json.dumps(str(value))  # a TOML basic string (JSON's escapes are TOML's)
 
 

@@ -19,6 +19,7 @@ import dataclasses
 import math
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -49,10 +50,10 @@ from ..safe_io import DirectoryLock, DiskFull
 from ..transformer_config import make_transformer_config
 from .args import build_parser
 from .config import SetupError, TrainConfig, recompute_overrides
-from .data import SampleStream, is_chat_jsonl, load_tokenizer, open_stream
+from .data import DataStream, is_chat_source, load_tokenizer, open_stream
 from .metrics import MetricsWriter, WandbRun, loggable, plot_loss
+from .mixture import DataSource, MixedStream, parse_sources, split_validation
 from .model_converters import adapters_of, apply_converters, model_converters
-from .packing import PackedRowStream, hold_out
 from .resume import ResumeChecks, schedule_record
 from .run_file import parse_with_config, write_run_file
 from .run_plan import RunPlan, agreed, model_config, or_setup_error, report_error
@@ -75,8 +76,8 @@ class Trainer(ResumeChecks, TrainSteps):
         self.adapters = adapters_of(self.converters)
         self._engine: Glm53Engine | None = None
         self.layout: ParallelLayout | None = None
-        self.stream: SampleStream | PackedRowStream | None = None
-        self.valid: SampleStream | PackedRowStream | None = None  # --valid-data
+        self.stream: DataStream | None = None
+        self.valid: DataStream | None = None  # --valid-data
         self.evaluated: int | None = None  # the step of the last evaluation
         self.prompts: list[Prompt] | None = None  # --sample-prompts, read at set-up
         self.sampled: int | None = None  # the step of the last samples
@@ -135,8 +136,9 @@ class Trainer(ResumeChecks, TrainSteps):
                 f"--tokenizer {c.tokenizer!r} has {tokenizer.vocab_size} tokens, more than the model's vocab_size "
                 f"{cfg.vocab_size}"
             )
+        sources = parse_sources(c.data)  # checked with the options (training/option_checks.py)
         if c.sample_prompts:  # read now: a bad line is said before any expensive work
-            chat = os.path.isfile(c.data) and is_chat_jsonl(c.data)
+            chat = any(is_chat_source(s.path) for s in sources)
             self.prompts = or_setup_error(lambda: read_prompts(str(c.sample_prompts), tokenizer, chat))
         # the layout and batch sizes in the first seconds, before DeepSpeed starts (its op build can take minutes)
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
@@ -158,11 +160,11 @@ class Trainer(ResumeChecks, TrainSteps):
         # Rank 0 tokenizes (and packs) once; the others wait, then every rank reads the same cache.
         cache_dir = os.path.join(c.output_dir, "data_cache")
 
-        def stream(data: str) -> SampleStream | PackedRowStream:
+        def stream(data: Sequence[DataSource]) -> DataStream:
             return open_stream(data, tokenizer, cache_dir, c.seq_length, c.seed, cfg.vocab_size, c.pack,
                                c.long_documents)  # fmt: skip
 
-        def opened(data: str) -> SampleStream | PackedRowStream:
+        def opened(data: Sequence[DataSource]) -> DataStream:
             """`data`'s stream on every rank: rank 0 builds the cache, the others wait for it, then read it."""
             first = agreed((lambda: stream(data)) if self.rank == 0 else lambda: None)
             later = agreed((lambda: stream(data)) if self.rank != 0 else lambda: None)
@@ -173,17 +175,21 @@ class Trainer(ResumeChecks, TrainSteps):
             notice = agreed(lambda: lock.acquire() if self.rank == 0 else None)
             if notice:
                 print(notice, file=sys.stderr)
-        self.stream = opened(c.data)
+        self.stream = opened(sources)
         if self.rank == 0:
             for notice in self.stream.notices:
                 print(notice, file=sys.stderr)
         if c.valid_split:  # a second stream over the same cache, restricted to the held-out samples
-            self.valid = stream(c.data)  # the cache exists by now
-            or_setup_error(lambda: hold_out(self.stream, self.valid, c.valid_split), alike=True)
+            self.valid = stream(sources)  # the caches exist by now
+            or_setup_error(lambda: split_validation(self.stream, self.valid, c.valid_split), alike=True)
             self._say(self._describe_validation())
         if c.valid_data:
-            self.valid = opened(c.valid_data)
+            self.valid = opened(parse_sources([c.valid_data], "--valid-data")[:1])
             self._say(self._describe_validation())
+        if isinstance(
+            self.stream, MixedStream
+        ):  # what was mixed, and what each source gives (held-out ones excluded)
+            self._say(self.stream.describe())
         self._say(self._describe_epochs())
         c = self.config  # --train-epochs has set the steps
         if (
