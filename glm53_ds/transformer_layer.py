@@ -40,7 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from .layers.documents import Documents
 from .layers.masks import token_mask
 from .layers.moe import Glm53MoE
-from .layers.token_tiles import over_token_tiles, tile_rows
+from .layers.token_tiles import mhc_tile_rows, over_token_tiles, tile_rows
 from .mhc import expand_streams, hc_post, pack_streams, unpack_streams
 from .parallel.sequence import SequenceParallel
 
@@ -80,6 +80,9 @@ class Glm53TransformerLayer(TransformerLayer):
                            torch.empty((), dtype=config.params_dtype).element_size())
         )  # fmt: skip
         self.hc_post = functools.partial(hc_post, backend=config.hc_post_impl)
+        # the mHC mixes over tiles of tokens under the same budget (their fp32 transients: layers/token_tiles.py)
+        self.mhc_tile_tokens = mhc_tile_rows(getattr(config, "moe_tile_bytes", 0), config.glm.hc_mult,
+                                             config.hidden_size)  # fmt: skip
         # fn in the model dtype, as HF keeps it (base/scale stay fp32 inside HyperConnection)
         hc_kwargs = dict(fn_dtype=config.params_dtype)
         self.attn_hc = (
@@ -113,6 +116,11 @@ class Glm53TransformerLayer(TransformerLayer):
         if hc is None:
             out, extra = _split(block(norm(streams), **block_kwargs))
             return streams + out, extra
+        # over tiles of tokens, each tile a checkpoint (so recomputed, with or without recompute_mhc)
+        if streams.shape[0] * streams.shape[1] > self.mhc_tile_tokens:
+            collapsed, post, comb = over_token_tiles(hc, streams, self.mhc_tile_tokens)
+            out, extra = _split(block(norm(collapsed), **block_kwargs))
+            return over_token_tiles(self.hc_post, out, self.mhc_tile_tokens, streams, post, comb), extra
         collapsed, post, comb = self._maybe_recompute(self.recompute_mhc, hc, streams)
         out, extra = _split(block(norm(collapsed), **block_kwargs))
         return self._maybe_recompute(self.recompute_mhc, self.hc_post, out, streams, post, comb), extra

@@ -40,9 +40,11 @@ from ..transformer_config import Glm53TransformerConfig
 from .linear import ColumnLinear
 
 # One block of query rows holds its [b, rows, heads, P] fp32 scores (and their weighted sum) under this many bytes:
-# small on CPU (cache), larger on CUDA (fewer, fuller launches: 128k tokens at kpool 4 are ~550 blocks).
-# On meta tensors (a shape-only dry run) a block costs its Python loop, not memory: 16 GiB blocks, 64 at 1M tokens.
-SCORE_BLOCK_BYTES = {"cpu": 64 * 2**20, "cuda": 2**30, "meta": 2**34}
+# small on CPU (cache), larger on CUDA (fewer, fuller launches: 128k tokens at kpool 4 are ~550 blocks). Meta tensors
+# stand for the GPU's (the planner measures their bytes), so they take CUDA's blocks: with its own 16 GiB blocks on
+# meta the planner saw indexer blocks a GPU never holds (a DSA layer's forward peak 24.5 GiB at 128k, SP 16).
+SCORE_BLOCK_BYTES = {"cpu": 64 * 2**20, "cuda": 2**30}
+SCORE_BLOCK_BYTES["meta"] = SCORE_BLOCK_BYTES["cuda"]
 
 
 @dataclass

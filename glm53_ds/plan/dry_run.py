@@ -151,6 +151,9 @@ class KernelOperands(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+DRY_RUN_SCORE_BLOCK_BYTES = 2**34  # 16 GiB blocks of index scores: 64 blocks per DSA layer at 1M tokens
+
+
 def dry_run(
     cfg: Glm53Config, seq_length: int, ep: int = 1, etp: int = 1, rank: int = 0, micro_batch: int = 1,
     lora_rank: int = 0, gpt_model: bool = False, name: str = "model", sp: int = 1,
@@ -177,6 +180,11 @@ def dry_run(
         whole = {n: p.shape for n, p in whole_model_on_meta(cfg, lora_rank).named_parameters()}
         report.problems += shard_problems(model, whole, shard)
     report.local_experts = shard.num_local
+    # shapes, not bytes, here: the DSA indexers score queries in the largest blocks (each block costs a Python
+    # iteration, and a million tokens in the GPU's 1 GiB blocks are thousands); the planner keeps the GPU's
+    for module in model.modules():
+        if hasattr(module, "score_block_bytes"):
+            module.score_block_bytes = DRY_RUN_SCORE_BLOCK_BYTES
 
     ids = torch.zeros(micro_batch, seq_length, dtype=torch.long, device="meta")
     audit = Int32Audit()

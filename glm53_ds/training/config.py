@@ -74,7 +74,7 @@ class TrainConfig:
                                        "backward (the same losses and gradients; docs/usage.md)")  # fmt: skip
     moe_tile_mib: int = option(0, MODEL, "route and compute each MoE layer's tokens in tiles whose expert "
                                "activations fit in this many MiB, each tile recomputed in backward, so the MoE's "
-                               "peak is one tile's; the dense MLPs and shared experts tile within the same budget "
+                               "peak is one tile's; the dense MLPs, shared experts and mHC mixes tile within the same budget "
                                "(long rows; the same losses; 0: all tokens at once)")  # fmt: skip
     aux_loss_coef: float = option(0.0, MODEL, "sequence-wise MoE balance loss weight (0 = off)")
     loss_chunk_mib: int = option(256, MODEL, "the LM / MTP loss runs over chunks of tokens whose fp32 logits fit "

@@ -1,0 +1,38 @@
+"""The planner traces the DSA indexer in the GPU's blocks of query scores (layers/dsa_indexer.py,
+`SCORE_BLOCK_BYTES`): meta tensors stand for the GPU's. Before, meta had its own 16 GiB blocks (fewer Python
+iterations in the dry run), which the planner measured as memory: a DSA layer's forward peaked at 24.5 GiB at 128k
+tokens (SP 16), growing with the square of the length, and LoRA at 128k needed 16 H200 instead of 8. Its own
+module: the planner's meta trace joins a fake world."""
+
+from __future__ import annotations
+
+import pytest
+
+from glm53_ds.layers import dsa_indexer
+from glm53_ds.plan.activations import plan_activations
+from glm53_ds.training.presets import preset
+
+
+def _dsa_forward_peaks(lengths: tuple[int, ...]) -> list[int]:
+    cfg = preset("tiny")
+    peaks = []
+    for length in lengths:
+        units = plan_activations(cfg, length, recompute="full").units
+        peaks.append(
+            next(u.forward_peak for kind, u in units.items() if kind.startswith("indexed_attention"))
+        )
+    return peaks
+
+
+@pytest.mark.parametrize("gpu_block, growth", [(4 * 2**20, (1.0, 4.5)), (2**34, (12.0, 17.0))],
+                         ids=["the GPU's blocks", "control: 16 GiB blocks"])  # fmt: skip
+def test_the_planners_indexer_blocks_are_the_gpus(monkeypatch, gpu_block, growth):
+    """Meta's blocks are the GPU's. The tiny preset at 2,048 and 8,192 tokens with the block set to 4 MiB: the DSA layer's forward peak
+    grows no faster than the length (x2.3 for x4 tokens), the indexer holding one block of scores at a time; the
+    control, 16 GiB blocks (the old meta value), holds all the scores at once: x15.4, the square of the length."""
+    blocks = dsa_indexer.SCORE_BLOCK_BYTES
+    assert blocks["meta"] == blocks["cuda"]  # meta stands for the GPU
+    monkeypatch.setitem(dsa_indexer.SCORE_BLOCK_BYTES, "meta", gpu_block)
+    short, long = _dsa_forward_peaks((2048, 8192))
+    low, high = growth
+    assert low <= long / short <= high, (short, long)
