@@ -47,8 +47,9 @@ def over_token_tiles(fn: Callable[..., Any], x: torch.Tensor, tokens: int, *more
     if rows >= s:
         return fn(x, *more)
     outs = []
-    for start in range(0, s, rows):
-        parts = [t[start : start + rows] for t in (x, *more)]
+    # split, not slices: the inputs' gradient is assembled once from the tiles' (a slice's backward would write a
+    # whole-size zero tensor per tile)
+    for parts in zip(*(t.split(rows) for t in (x, *more)), strict=True):
         outs.append(checkpoint(fn, *parts, use_reentrant=False) if torch.is_grad_enabled() else fn(*parts))
     if isinstance(outs[0], tuple):
         return tuple(torch.cat(column) for column in zip(*outs, strict=True))

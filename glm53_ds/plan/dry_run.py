@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..checkpoint.placement import placement
 from ..config import Glm53Config
+from ..layers.dsa_indexer import DsaIndexer
 from ..layers.fused_kernels import kernel_of_forward
 from ..model import Glm53Model
 from ..parallel import init_layout
@@ -183,7 +184,7 @@ def dry_run(
     # shapes, not bytes, here: the DSA indexers score queries in the largest blocks (each block costs a Python
     # iteration, and a million tokens in the GPU's 1 GiB blocks are thousands); the planner keeps the GPU's
     for module in model.modules():
-        if hasattr(module, "score_block_bytes"):
+        if isinstance(module, DsaIndexer):
             module.score_block_bytes = DRY_RUN_SCORE_BLOCK_BYTES
 
     ids = torch.zeros(micro_batch, seq_length, dtype=torch.long, device="meta")
