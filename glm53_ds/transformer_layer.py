@@ -75,8 +75,8 @@ class Glm53TransformerLayer(TransformerLayer):
         # routed and shared experts itself
         self.mlp_tile_tokens = (
             2**62
-            if glm_moe or not getattr(config, "moe_tile_bytes", 0)
-            else tile_rows(config.moe_tile_bytes, config.hidden_size, config.ffn_hidden_size,
+            if glm_moe
+            else tile_rows(getattr(config, "moe_tile_bytes", 0), config.hidden_size, config.ffn_hidden_size,
                            torch.empty((), dtype=config.params_dtype).element_size())
         )  # fmt: skip
         self.hc_post = functools.partial(hc_post, backend=config.hc_post_impl)
@@ -117,12 +117,14 @@ class Glm53TransformerLayer(TransformerLayer):
             out, extra = _split(block(norm(streams), **block_kwargs))
             return streams + out, extra
         # over tiles of tokens, each tile a checkpoint (so recomputed, with or without recompute_mhc)
-        if streams.shape[0] * streams.shape[1] > self.mhc_tile_tokens:
+        tiles = streams.shape[0] * streams.shape[1] > self.mhc_tile_tokens
+        if tiles:
             collapsed, post, comb = over_token_tiles(hc, streams, self.mhc_tile_tokens)
-            out, extra = _split(block(norm(collapsed), **block_kwargs))
-            return over_token_tiles(self.hc_post, out, self.mhc_tile_tokens, streams, post, comb), extra
-        collapsed, post, comb = self._maybe_recompute(self.recompute_mhc, hc, streams)
+        else:
+            collapsed, post, comb = self._maybe_recompute(self.recompute_mhc, hc, streams)
         out, extra = _split(block(norm(collapsed), **block_kwargs))
+        if tiles:
+            return over_token_tiles(self.hc_post, out, self.mhc_tile_tokens, streams, post, comb), extra
         return self._maybe_recompute(self.recompute_mhc, self.hc_post, out, streams, post, comb), extra
 
     def forward(

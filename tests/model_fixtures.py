@@ -229,3 +229,23 @@ def restamp(tag_dir, *names: str) -> None:
     manifest = read_manifest(str(tag_dir))
     manifest.update(describe_files(str(tag_dir), list(names)))
     write_manifest(str(tag_dir), manifest)
+
+
+def tiled_step(cfg, tile_bytes: int, **overrides):  # type: ignore[no-untyped-def]
+    """One training forward + backward of `cfg` (with MTP) under `moe_tile_bytes` = `tile_bytes` (0: untiled), 2 x 20
+    tokens: (model, loss, gradients by name). The tiled layers' tests compare it with and without tiles."""
+    import glm53_ds
+
+    torch.manual_seed(0)
+    return training_step(glm53_ds.build_model(cfg, mtp=True, moe_tile_bytes=tile_bytes, **overrides))
+
+
+def training_step(model):  # type: ignore[no-untyped-def]
+    """One training forward + backward of `model` on a fixed batch of 2 x 20 tokens: (model, loss, gradients by
+    name), for the tests that compare two ways of computing the same step."""
+    model.train()
+    ids = torch.randint(1, model.glm.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    loss = model(ids, labels=ids)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return model, loss.detach(), grads

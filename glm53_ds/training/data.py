@@ -303,6 +303,8 @@ class SampleStream:
     read-only: no copy, and a rank's memory does not grow with the corpus. Token ids are checked against the
     vocabulary once per dataset file (chunked reads, the result cached beside it) and again per sample."""
 
+    packed = False  # windows over the document stream, not packed rows
+
     def __init__(self, prefix: str, seq_length: int, seed: int, vocab_size: int) -> None:
         try:
             index = IndexedDataset(prefix).index

@@ -107,7 +107,7 @@ class MixedStream:
 
     def __init__(self, sources: Sequence[DataSource], streams: Sequence[Any]) -> None:
         self.sources, self.streams = list(sources), list(streams)
-        self.packed = hasattr(self.streams[0], "row")
+        self.packed = bool(self.streams[0].packed)  # every source is, or none (training/data.py, open_stream)
         self.seq_length = self.streams[0].seq_length
         self.notices = [n for s in self.streams for n in s.notices]
         self.reschedule([s.share for s in self.sources])

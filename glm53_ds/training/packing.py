@@ -363,6 +363,8 @@ class PackedRowStream:
     """Packed rows in seeded order; a micro-batch of several rows is one row of `micro_batch * seq_length` tokens
     (the model takes packed documents at batch 1)."""
 
+    packed = True  # its rows are packed documents (their real-token share is logged)
+
     def __init__(self, directory: str, seed: int, vocab_size: int) -> None:
         load = lambda name: np.load(os.path.join(directory, name), mmap_mode="r", allow_pickle=False)  # noqa: E731
         try:
@@ -419,11 +421,6 @@ class PackedRowStream:
     def micro_batch(self, consumed: int, micro: int, rank: int, world: int, micro_batch: int) -> Batch:
         positions = SeededOrder.positions(consumed, micro, rank, world, micro_batch)
         return packed_batch([self.row(p) for p in positions], self.seq_length)
-
-
-def packed_rows(stream: Any) -> bool:
-    """Whether a stream gives packed rows (one source's or a mixture's), whose real-token share is worth logging."""
-    return isinstance(stream, PackedRowStream) or bool(getattr(stream, "packed", False))
 
 
 def packed_batch(rows: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, int]], seq_length: int) -> Batch:

@@ -21,7 +21,7 @@ from ..model import LossParts
 from ..parallel.layout import ParallelLayout
 from .config import TrainConfig
 from .metrics import MetricsWriter, StepMetrics
-from .packing import Batch, packed_rows
+from .packing import Batch
 from .run_plan import RunPlan
 from .run_report import RunReport
 
@@ -131,7 +131,7 @@ class TrainSteps:
             step=step + 1, consumed_samples=self.consumed, loss=reduced.loss, lm_loss=reduced.lm_loss, lr=lr,
             grad_norm=None if norm is None or skipped else float(norm), tokens_per_s=tokens / step_time, step_time=step_time,
             moe_imbalance=max(balance.values()) if balance else None, target_tokens=reduced.target_tokens,
-            packing_efficiency=reduced.real_tokens / tokens if packed_rows(self.stream) else None,
+            packing_efficiency=reduced.real_tokens / tokens if self.stream.packed else None,
             mtp_loss=reduced.mtp_loss if engine.module.mtp is not None else None,
             indexer_loss=reduced.indexer_loss if c.indexer_loss_coef > 0 else None,
             update_skipped=True if skipped else None, tokens_per_s_per_gpu=tokens / step_time / self.world,

@@ -12,7 +12,7 @@ from glm53_ds.config import Glm53Config
 from glm53_ds.layers.activation_offload import ActivationOffload
 from glm53_ds.layers.lora import LoraSpec
 from glm53_ds.layers.lora_targets import apply_lora
-from tests.model_fixtures import CONFIG_A
+from tests.model_fixtures import CONFIG_A, training_step
 
 CFG = Glm53Config.from_text_dict(CONFIG_A)
 FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -35,12 +35,7 @@ def _step(offload: bool, lora: bool = False, broken: bool = False, monkeypatch=N
             "_to_device",
             staticmethod(lambda entry: torch.zeros(entry.shape, dtype=entry.dtype)),
         )
-    model.train()
-    ids = torch.randint(1, CFG.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
-    loss = model(ids, labels=ids)
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return model, loss.detach(), grads
+    return training_step(model)
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

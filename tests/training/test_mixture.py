@@ -72,6 +72,7 @@ class _Numbered:
 
     def __init__(self, ident: int, num_samples: int) -> None:
         self.ident, self.num_samples, self.seq_length, self.notices = ident, num_samples, 2, []
+        self.packed = False  # windows
 
     def sample(self, position: int) -> torch.Tensor:
         return torch.tensor([self.ident, position, 0])

@@ -11,24 +11,14 @@ import torch
 import glm53_ds
 from glm53_ds.config import Glm53Config
 from glm53_ds.layers.moe import Glm53MoE
-from tests.model_fixtures import CONFIG_A
+from tests.model_fixtures import CONFIG_A, tiled_step
 
 CFG = Glm53Config.from_text_dict(CONFIG_A)
 FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
 def _step(tile_bytes: int, **overrides):  # type: ignore[no-untyped-def]
-    torch.manual_seed(0)
-    model = glm53_ds.build_model(CFG, mtp=True, moe_tile_bytes=tile_bytes, **overrides)
-    model.train()
-    ids = torch.randint(1, CFG.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
-    loss = model(ids, labels=ids)
-    loss.backward()
-    return (
-        model,
-        loss.detach(),
-        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
-    )
+    return tiled_step(CFG, tile_bytes, **overrides)
 
 
 @pytest.mark.parametrize("recompute", [{}, FULL], ids=["plain", "full_recompute"])
