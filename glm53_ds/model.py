@@ -174,7 +174,8 @@ class Glm53Model(nn.Module):
         mask, all_real, docs = self._check_inputs(input_ids, attention_mask, labels, cu_seqlens)
         if next_tokens is not None and labels is not None:
             labels = torch.cat([labels, next_tokens.to(labels.dtype)], dim=1)
-        hidden = self._hidden(input_ids, mask, all_real, docs)  # [s, b, D]
+        embedded = self._embed(input_ids, mtp=labels is not None)
+        hidden = self._hidden(embedded[0], mask, all_real, docs)  # [s, b, D]
         normed_lm = self.final_norm.normalize(hidden)
         if labels is None:
             return self._logits(normed_lm)
@@ -183,16 +184,14 @@ class Glm53Model(nn.Module):
             raise ValueError(
                 f"token_normalizers needs one value for the LM loss and one per MTP depth, got {norms}"
             )
-        lm_loss = self._head_loss(normed_lm, labels, 1, docs, None if norms is None else norms[0])
-        loss, mtp_loss, aux_loss = lm_loss, None, None
+        mtp_loss = None
+        normed = [normed_lm]
         if self.mtp is not None:
-            normed = self._mtp_normed(hidden, input_ids, mask, all_real, docs)
-            mtp_loss = torch.stack(
-                [
-                    self._head_loss(n, labels, depth + 1, docs, None if norms is None else norms[depth])
-                    for depth, n in enumerate(normed, start=1)
-                ]
-            ).mean()
+            normed += self._mtp_normed(hidden, embedded[1:], mask, all_real, docs)
+        head_losses = self._head_losses(normed, labels, docs, norms)  # [1 + MTP depths]
+        loss = lm_loss = head_losses[0]
+        if self.mtp is not None:
+            mtp_loss = head_losses[1:].mean()
             loss = loss + self.glm.mtp_loss_weight * mtp_loss
         aux_loss, indexer_loss = record.aux_loss(), record.indexer_loss()
         if aux_loss is not None:
@@ -224,34 +223,51 @@ class Glm53Model(nn.Module):
         """This rank's tokens of a whole-row tensor [b, S, ...] (all of it without sequence parallelism)."""
         return x if self.sequence is None else self.sequence.shard(x, dim=1)
 
-    def _head_loss(
+    def _head_losses(
         self,
-        normed: torch.Tensor,
+        normed: list[torch.Tensor],
         labels: torch.Tensor,
-        shift: int,
         docs: Documents | None,
-        normalizer: float | torch.Tensor | None,
+        normalizers: Sequence[float] | torch.Tensor | None,
     ) -> torch.Tensor:
-        """The output layer + cross entropy of normed [s, b, D] against labels[t + shift], over chunks of tokens
-        (layers/chunked_ce.py: no [tokens, vocab] logits are kept; `config.loss_chunk_bytes` sizes a chunk)."""
-        s, b, d = normed.shape
-        whole = shifted_targets(labels, s * (1 if self.sequence is None else self.sequence.size), shift, docs)
-        if normalizer is None and self.sequence is not None:  # the rows' target count, not the shard's
-            normalizer = (whole != IGNORE_INDEX).sum()
-        target = self._local(whole).t().reshape(-1)  # [s * b], the order of normed's rows
-        weight = self.output_layer.weight
+        """The output layer + cross entropy of each head's normed [s, b, D] (the LM's, then MTP depth k's) against
+        labels[t + 1 + k]: [1 + depths] losses in one call over chunks (layers/chunked_ce.py: no [tokens, vocab]
+        logits are kept, `config.loss_chunk_bytes` sizes a chunk; the shared output layer gets one weight gradient).
+        Each is divided by its `normalizers` entry, or by the row's target count over all SP ranks."""
+        s, b, d = normed[0].shape
+        whole_length = s * (1 if self.sequence is None else self.sequence.size)
+        targets, counts = [], []
+        for shift in range(1, len(normed) + 1):
+            whole = shifted_targets(labels, whole_length, shift, docs)
+            counts.append((whole != IGNORE_INDEX).sum())  # the rows' target count, not the shard's
+            targets.append(self._local(whole).t().reshape(-1))  # [s * b], the order of normed's rows
+        if normalizers is None:
+            norm = torch.stack(counts)
+        else:
+            norm = torch.as_tensor(normalizers, dtype=torch.float32, device=labels.device)
         return linear_cross_entropy(
-            normed.reshape(s * b, d), weight, target, normalizer, chunk_bytes=self.config.loss_chunk_bytes
-        )
+            torch.cat([n.reshape(s * b, d) for n in normed]), self.output_layer.weight, torch.cat(targets),
+            norm, chunk_bytes=self.config.loss_chunk_bytes, groups=len(normed),
+        ).reshape(len(normed))  # fmt: skip
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
         return self.output_layer(normed).float().transpose(0, 1)  # [s, b, V] -> [b, s, V]
 
+    def _embed(self, input_ids: torch.Tensor, mtp: bool) -> list[torch.Tensor]:
+        """This rank's embeddings [s, b, D] of the input, then (with `mtp` and an MTP layer) of each MTP depth's next
+        tokens, in one lookup: the embedding gets one weight gradient, at the end of the backward (a lookup per use
+        would hold the MTP's whole [V, D] gradient through the decoder's backward until the first lookup's arrives)."""
+        ids = [input_ids]
+        if mtp and self.mtp is not None:
+            ids += [shift_left(input_ids, depth) for depth in range(1, len(self.mtp) + 1)]
+        rows = self.embedding(self._local(torch.cat(ids))).split(input_ids.shape[0])  # [b, s, D] each
+        return [x.transpose(0, 1) for x in rows]  # [s, b, D]
+
     def _hidden(
-        self, input_ids: torch.Tensor, mask: torch.Tensor, all_real: bool, docs: Documents | None
+        self, x: torch.Tensor, mask: torch.Tensor, all_real: bool, docs: Documents | None
     ) -> torch.Tensor:
-        """Embedding -> decoder (streams) -> stream mean [s, b, D] (before the final norm; MTP reads it)."""
-        x = self.embedding(self._local(input_ids)).transpose(0, 1)  # [b, s, D] -> [s, b, D]
+        """Embedded input [s, b, D] -> decoder (streams) -> stream mean [s, b, D] (before the final norm; MTP
+        reads it)."""
         if self.config.recompute_granularity == "full" and torch.is_grad_enabled() and not x.requires_grad:
             # a frozen embedding (LoRA, --freeze) gives hidden states without a gradient; megatron's full recompute
             # (a reentrant checkpoint) would then return outputs without one, and the adapters inside get none
@@ -266,22 +282,22 @@ class Glm53Model(nn.Module):
     def _mtp_normed(
         self,
         hidden: torch.Tensor,
-        input_ids: torch.Tensor,
+        next_embeddings: list[torch.Tensor],
         mask: torch.Tensor,
         all_real: bool,
         docs: Documents | None,
     ) -> list[torch.Tensor]:
-        """Each MTP depth's normed output [s, b, D] (depth k at position t predicts token t + k + 1)."""
+        """Each MTP depth's normed output [s, b, D] (depth k at position t predicts token t + k + 1), from the
+        embeddings of each depth's next tokens [s, b, D] (`_embed`)."""
         assert self.mtp is not None
         packed_seq = None if docs is None else docs.packed_seq_params()
         out = []
         for depth, layer in enumerate(self.mtp, start=1):
             assert isinstance(layer, Glm53MtpLayer)
-            next_ids, next_mask = shift_left(input_ids, depth), mask & shift_left(mask, depth)
+            next_mask = mask & shift_left(mask, depth)
             if docs is not None:
                 next_mask = next_mask & docs.same_document(depth, mask.device)[None]
-            emb = self.embedding(self._local(next_ids)).transpose(0, 1)
-            args = (hidden, emb, self._local(next_mask), packed_seq)
+            args = (hidden, next_embeddings[depth - 1], self._local(next_mask), packed_seq)
             padding = depth if all_real else None
             if self.config.recompute_granularity == "full" and self.training and torch.is_grad_enabled():
                 # full recompute covers the MTP layer too (outside megatron's block: recomputed here); it keeps
@@ -304,8 +320,9 @@ class Glm53Model(nn.Module):
         if self.mtp is None:
             raise ValueError("this model was built without MTP")
         mask, all_real, docs = self._check_inputs(input_ids, attention_mask, None, cu_seqlens)
-        hidden = self._hidden(input_ids, mask, all_real, docs)
-        return [self._logits(n) for n in self._mtp_normed(hidden, input_ids, mask, all_real, docs)]
+        embedded = self._embed(input_ids, mtp=True)
+        hidden = self._hidden(embedded[0], mask, all_real, docs)
+        return [self._logits(n) for n in self._mtp_normed(hidden, embedded[1:], mask, all_real, docs)]
 
     def _check_inputs(
         self,
@@ -375,7 +392,9 @@ def freeze_padding_row(embedding_weight: nn.Parameter, cfg: Glm53Config) -> None
     pad = cfg.pad_token_id
     if pad is None or not 0 <= pad < cfg.vocab_size or getattr(embedding_weight, "_glm53_padding_row", False):
         return
-    embedding_weight.register_hook(lambda g: g.index_fill(0, torch.full((1,), pad, device=g.device), 0.0))
+    # in place: the hook gets the layer's whole gradient on its way to `.grad`, and nothing else reads it; a new
+    # tensor would hold the [V, D] gradient twice at the end of every backward (2.4 GiB at the released size)
+    embedding_weight.register_hook(lambda g: g.index_fill_(0, torch.full((1,), pad, device=g.device), 0.0))
     embedding_weight._glm53_padding_row = True  # type: ignore[attr-defined]
 
 

@@ -292,9 +292,9 @@ def test_mtp_through_megatrons_block(tmp_path):
         mtp_out = gpt.mtp(ids, pos, decoder_out, attention_mask=mask, embedding=gpt.embedding)
         megatron_normed = mtp_out.chunk(2, dim=0)[1]
         # docs/mtp.md's layer, fed what megatron feeds it
-        hidden = ours._hidden(ids, mask, False, None)
-        next_ids, m2 = shift_left(ids, 1), mask & shift_left(mask, 1)
-        emb = ours.embedding(next_ids).transpose(0, 1)
+        embedded, emb = ours._embed(ids, mtp=True)
+        hidden = ours._hidden(embedded, mask, False, None)
+        m2 = mask & shift_left(mask, 1)
         _, fed_normed = ours.mtp[0].predict(ours.final_norm.normalize(hidden), emb, m2)
         _, reference = ours.mtp[0].predict(hidden, emb, m2)
     valid = m2.transpose(0, 1)
