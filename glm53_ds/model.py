@@ -174,7 +174,13 @@ class Glm53Model(nn.Module):
         mask, all_real, docs = self._check_inputs(input_ids, attention_mask, labels, cu_seqlens)
         if next_tokens is not None and labels is not None:
             labels = torch.cat([labels, next_tokens.to(labels.dtype)], dim=1)
-        embedded = self._embed(input_ids, mtp=labels is not None)
+        # a trained embedding looks the MTP depths' next tokens up with the input: one [V, D] gradient, at the end of
+        # the backward (a lookup per use holds the MTP's through the decoder's backward until the input's arrives);
+        # a frozen one (LoRA) has none and looks them up when the MTP runs, not holding them through the decoder
+        ids = [input_ids]
+        if labels is not None and self.mtp is not None and self.embedding.weight.requires_grad:
+            ids += [shift_left(input_ids, depth) for depth in range(1, len(self.mtp) + 1)]
+        embedded = self._embed(ids)
         hidden = self._hidden(embedded[0], mask, all_real, docs)  # [s, b, D]
         normed_lm = self.final_norm.normalize(hidden)
         if labels is None:
@@ -187,7 +193,7 @@ class Glm53Model(nn.Module):
         mtp_loss = None
         normed = [normed_lm]
         if self.mtp is not None:
-            normed += self._mtp_normed(hidden, embedded[1:], mask, all_real, docs)
+            normed += self._mtp_normed(hidden, input_ids, embedded[1:], mask, all_real, docs)
         head_losses = self._head_losses(normed, labels, docs, norms)  # [1 + MTP depths]
         loss = lm_loss = head_losses[0]
         if self.mtp is not None:
@@ -253,15 +259,10 @@ class Glm53Model(nn.Module):
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
         return self.output_layer(normed).float().transpose(0, 1)  # [s, b, V] -> [b, s, V]
 
-    def _embed(self, input_ids: torch.Tensor, mtp: bool) -> list[torch.Tensor]:
-        """This rank's embeddings [s, b, D] of the input, then (with `mtp` and an MTP layer) of each MTP depth's next
-        tokens, in one lookup: the embedding gets one weight gradient, at the end of the backward (a lookup per use
-        would hold the MTP's whole [V, D] gradient through the decoder's backward until the first lookup's arrives)."""
-        ids = [input_ids]
-        if mtp and self.mtp is not None:
-            ids += [shift_left(input_ids, depth) for depth in range(1, len(self.mtp) + 1)]
-        rows = self.embedding(self._local(torch.cat(ids))).split(input_ids.shape[0])  # [b, s, D] each
-        return [x.transpose(0, 1) for x in rows]  # [s, b, D]
+    def _embed(self, ids: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's embeddings [s, b, D] of token ids [b, S] (whole rows), several in one lookup."""
+        rows = self.embedding(self._local(torch.cat(ids))).split(ids[0].shape[0])  # [b, s, D] each
+        return [x.transpose(0, 1) for x in rows]
 
     def _hidden(
         self, x: torch.Tensor, mask: torch.Tensor, all_real: bool, docs: Documents | None
@@ -282,13 +283,14 @@ class Glm53Model(nn.Module):
     def _mtp_normed(
         self,
         hidden: torch.Tensor,
+        input_ids: torch.Tensor,
         next_embeddings: list[torch.Tensor],
         mask: torch.Tensor,
         all_real: bool,
         docs: Documents | None,
     ) -> list[torch.Tensor]:
         """Each MTP depth's normed output [s, b, D] (depth k at position t predicts token t + k + 1), from the
-        embeddings of each depth's next tokens [s, b, D] (`_embed`)."""
+        embeddings of each depth's next tokens [s, b, D] when they were looked up with the input (else here)."""
         assert self.mtp is not None
         packed_seq = None if docs is None else docs.packed_seq_params()
         out = []
@@ -297,7 +299,11 @@ class Glm53Model(nn.Module):
             next_mask = mask & shift_left(mask, depth)
             if docs is not None:
                 next_mask = next_mask & docs.same_document(depth, mask.device)[None]
-            args = (hidden, next_embeddings[depth - 1], self._local(next_mask), packed_seq)
+            if next_embeddings:
+                emb = next_embeddings[depth - 1]
+            else:
+                emb = self._embed([shift_left(input_ids, depth)])[0]
+            args = (hidden, emb, self._local(next_mask), packed_seq)
             padding = depth if all_real else None
             if self.config.recompute_granularity == "full" and self.training and torch.is_grad_enabled():
                 # full recompute covers the MTP layer too (outside megatron's block: recomputed here); it keeps
@@ -320,9 +326,8 @@ class Glm53Model(nn.Module):
         if self.mtp is None:
             raise ValueError("this model was built without MTP")
         mask, all_real, docs = self._check_inputs(input_ids, attention_mask, None, cu_seqlens)
-        embedded = self._embed(input_ids, mtp=True)
-        hidden = self._hidden(embedded[0], mask, all_real, docs)
-        return [self._logits(n) for n in self._mtp_normed(hidden, embedded[1:], mask, all_real, docs)]
+        hidden = self._hidden(self._embed([input_ids])[0], mask, all_real, docs)
+        return [self._logits(n) for n in self._mtp_normed(hidden, input_ids, [], mask, all_real, docs)]
 
     def _check_inputs(
         self,

@@ -292,7 +292,7 @@ def test_mtp_through_megatrons_block(tmp_path):
         mtp_out = gpt.mtp(ids, pos, decoder_out, attention_mask=mask, embedding=gpt.embedding)
         megatron_normed = mtp_out.chunk(2, dim=0)[1]
         # docs/mtp.md's layer, fed what megatron feeds it
-        embedded, emb = ours._embed(ids, mtp=True)
+        embedded, emb = ours._embed([ids, shift_left(ids, 1)])
         hidden = ours._hidden(embedded, mask, False, None)
         m2 = mask & shift_left(mask, 1)
         _, fed_normed = ours.mtp[0].predict(ours.final_norm.normalize(hidden), emb, m2)

@@ -60,7 +60,10 @@ class LiveBytes(TorchDispatchMode):
     last `mark` (`peak`). An operation's output is an allocation when its storage is none of its inputs' (views,
     in-place and aliasing operations allocate nothing), so parameters, buffers and inputs made before are never
     counted; a storage that becomes a parameter's gradient leaves the count when it is accumulated (`exclude`);
-    pinned host buffers (the activation offload's, on CUDA) are host memory and not counted."""
+    pinned host buffers (the activation offload's, on CUDA) are host memory and not counted. Under a dispatch mode
+    autograd sums a parameter's several gradients out of place (its in-place sum refuses subclass-like tensors), so a
+    parameter used twice would count one gradient more than a GPU holds; the model gives each of its vocabulary
+    matrices one use (one embedding lookup, one loss-head call), and tests/layers/test_chunked_ce.py holds it to it."""
 
     def __init__(self) -> None:
         super().__init__()
