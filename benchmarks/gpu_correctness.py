@@ -3,7 +3,10 @@
 - fused Triton hc_post vs the eager path and an fp64 reference, forward and backward, bf16/fp32, at the real size
   (16k tokens, D=4096, H=4) and at awkward shapes (H=1,3,8; D not a multiple of the block; strided inputs);
 - fla-core's KDA kernel vs the torch chunked path (when `fla` is installed), forward and input gradients;
-- the MLA core through SDPA vs HF's expression, padding (blind) queries included, with the memory of each.
+- the MLA core through SDPA vs HF's expression, padding (blind) queries included, with the memory of each;
+- the chunked loss head (layers/chunked_ce.py) in bf16 at the released vocabulary and width, the LM's and an MTP
+  depth's rows in one call, against the materialised head: its CUDA-only path (bf16 products with fp32 outputs,
+  `torch.mm(..., out_dtype=torch.float32)`) and the backward's peak beside the materialised one's.
 Tolerances as in tests/mhc/test_hc_post.py; KDA: relative max error <= 2e-2 in bf16, <= 1e-3 in fp32; attention
 <= 1e-5 in fp32 (tests/layers/test_mla.py), <= 2e-2 in bf16 (the eager path rounds the scores to bf16).
 `--device cpu --small` runs the same checks through Triton's interpreter for a dry run.
@@ -135,12 +138,42 @@ def check_attention(device: torch.device, small: bool) -> list[dict]:
     return rows
 
 
+def check_loss_head(device: torch.device, small: bool) -> list[dict]:
+    from glm53_ds.layers.chunked_ce import linear_cross_entropy
+
+    rows_per_head, hidden, vocab = (40, 64, 1700) if small else (2048, 4096, 154880)
+    g = torch.Generator(device=device).manual_seed(0)
+    h = torch.randn(2 * rows_per_head, hidden, device=device, generator=g).bfloat16()
+    w = (torch.randn(vocab, hidden, device=device, generator=g) / hidden**0.5).bfloat16()
+    t = torch.randint(0, vocab, (2 * rows_per_head,), device=device, generator=g)
+    t[::7] = -100
+    # small: 600-column vocabulary slices over all rows (the slices' path, as at the released size)
+    chunk = 2 * rows_per_head * 4 * 600 if small else 256 * 2**20
+    results = {}
+    for name, chunk_bytes in (("chunked", chunk), ("materialised", 0)):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        losses = linear_cross_entropy(hh, ww, t, chunk_bytes=chunk_bytes, groups=2)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+        losses.sum().backward()
+        peak = torch.cuda.max_memory_allocated(device) - before if device.type == "cuda" else 0
+        results[name] = (losses.detach(), hh.grad, ww.grad, peak)
+    (loss, dh, dw, peak), (ref_loss, ref_dh, ref_dw, ref_peak) = results["chunked"], results["materialised"]
+    errs = dict(loss=rel(loss, ref_loss), d_hidden=rel(dh, ref_dh), d_weight=rel(dw, ref_dw))
+    return [dict(check="loss head chunked vs materialised", shape=f"2x{rows_per_head}x{hidden}, V {vocab}",
+                 dtype="bfloat16", **errs, backward_peak_gib=peak / 2**30,
+                 materialised_backward_peak_gib=ref_peak / 2**30,
+                 ok=errs["loss"] <= 1e-4 and errs["d_hidden"] <= 2e-2 and errs["d_weight"] <= 2e-2)]  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true")
-    parser.add_argument("--checks", nargs="+", default=["hc_post", "kda", "attention"],
-                        choices=["hc_post", "kda", "attention"])  # fmt: skip
+    parser.add_argument("--checks", nargs="+", default=["hc_post", "kda", "attention", "loss_head"],
+                        choices=["hc_post", "kda", "attention", "loss_head"])  # fmt: skip
     parser.add_argument("--kda-dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"])
     args = parser.parse_args()
     if args.device == "cpu":
@@ -151,11 +184,13 @@ def main() -> int:
     kda_dtypes = tuple({"bf16": torch.bfloat16, "fp32": torch.float32}[d] for d in args.kda_dtypes)
     checks = {"hc_post": lambda: check_hc_post(device, args.small),
               "kda": lambda: check_kda(device, args.small, kda_dtypes),
-              "attention": lambda: check_attention(device, args.small)}  # fmt: skip
+              "attention": lambda: check_attention(device, args.small),
+              "loss_head": lambda: check_loss_head(device, args.small)}  # fmt: skip
     rows = [row for name in args.checks for row in checks[name]()]
     for r in rows:
         print(r)
-    suffix = "" if sorted(args.checks) == ["attention", "hc_post", "kda"] else "_" + "_".join(args.checks)
+    every = sorted(args.checks) == ["attention", "hc_post", "kda", "loss_head"]
+    suffix = "" if every else "_" + "_".join(args.checks)
     write_results(
         f"gpu_correctness_{device.type}{suffix}", dict(device=device_description(device), rows=rows)
     )
