@@ -242,13 +242,11 @@ class Glm53Model(nn.Module):
         Each is divided by its `normalizers` entry, or by the row's target count over all SP ranks."""
         s, b, d = normed[0].shape
         whole_length = s * (1 if self.sequence is None else self.sequence.size)
-        targets, counts = [], []
-        for shift in range(1, len(normed) + 1):
-            whole = shifted_targets(labels, whole_length, shift, docs)
-            counts.append((whole != IGNORE_INDEX).sum())  # the rows' target count, not the shard's
-            targets.append(self._local(whole).t().reshape(-1))  # [s * b], the order of normed's rows
-        if normalizers is None:
-            norm = torch.stack(counts)
+        wholes = [shifted_targets(labels, whole_length, shift, docs) for shift in range(1, len(normed) + 1)]
+        # this rank's targets, [s * b] each, in the order of normed's rows
+        targets = [self._local(whole).t().reshape(-1) for whole in wholes]
+        if normalizers is None:  # the rows' target counts, not the shard's
+            norm = torch.stack([(whole != IGNORE_INDEX).sum() for whole in wholes])
         else:
             norm = torch.as_tensor(normalizers, dtype=torch.float32, device=labels.device)
         return linear_cross_entropy(
