@@ -31,8 +31,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-import torch.nn.functional as F
+if "--small" in sys.argv[1:]:  # before anything imports triton.language: `triton.jit` reads it then
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -186,10 +189,12 @@ H200_TFLOPS, H200_TBPS = 989.0, 4.8  # dense bf16 tensor-core peak, HBM3e bandwi
 
 
 def model(length: int, heads: int, rank: int, width: int, dq: int) -> list[dict[str, Any]]:
-    """The kernels' roofline model per query and at `length` tokens (bf16 operands, fp32 buffers; every gathered
+    """The kernels' roofline model per query and at `length` tokens (bf16 operands and buffers; every gathered
     latent row counted as an HBM read, an upper bound where neighbouring queries' selections hit L2):
-    FLOPs, bytes gathered, buffered (written + read back) and otherwise moved, arithmetic intensity, and the H200
-    roofline time max(FLOPs / peak, bytes / bandwidth)."""
+    useful FLOPs, the tensor work issued per useful FLOP, bytes gathered, buffered (written + read back) and
+    otherwise moved, arithmetic intensity, and the H200 roofline time max(issued FLOPs / peak, bytes / bandwidth);
+    `roofline_tflops` counts the useful FLOPs; `gathers_in_l2_ms` the same time were every gathered row an L2 hit
+    (the lower bound)."""
     w_eff = (
         (width * (width + 1) / 2 + max(0, length - width) * width) / length
         if length > width
@@ -197,24 +202,31 @@ def model(length: int, heads: int, rank: int, width: int, dq: int) -> list[dict[
     )
     gather = w_eff * rank * 2  # the selected latent rows, bf16
     heads_io = heads * rank * 2  # one [h, R] bf16 tile (q, dO, out or dq)
-    g, ds = w_eff * rank * 4, heads * w_eff * 4  # the backward's fp32 buffers per query
+    g, ds = w_eff * rank * 2, heads * w_eff * 2  # the backward's buffers per query (bf16: dsa_workspace)
     product = 2 * heads * w_eff * rank  # one [h x W x R] matrix product
-    kernels = [
-        ("forward", 2 * product, gather, 0, 2 * heads_io),
-        ("bwd slot gradients (4 products)", 4 * product, gather, g + ds, 2 * heads_io),
-        ("bwd dq (1 product)", product, gather, ds, heads_io),
-        ("bwd segment sum", w_eff * rank, 0, g, 0),
+    # The forward's scores q c^T at 64 heads are computed whole on both warpgroups (Triton's layout for a product
+    # feeding a product; `benchmarks/sm90_compile.py` reports it, tests/test_sm90_compile.py asserts it): the
+    # tensor cores issue 3 products' work for its 2. Below 64 heads (Ampere-style MMAs, warps along the slots) and
+    # in the backward, each product is issued once.
+    score_copies = 2 if heads >= 64 else 1
+    kernels = [  # name, useful FLOPs, issued FLOPs, bytes gathered, buffered, other
+        ("forward", 2 * product, (score_copies + 1) * product, gather, 0, 2 * heads_io),
+        ("bwd slot gradients (4 products)", 4 * product, 4 * product, gather, g + ds, 2 * heads_io),
+        ("bwd dq (1 product)", product, product, gather, ds, heads_io),
+        ("bwd segment sum", w_eff * rank, w_eff * rank, 0, g, 0),
     ]
     # dense causal flash SDPA at the same heads, per-head q, k, v of dq dims: forward 4 h (L/2) dq per query
     dense = 4 * heads * (length / 2) * dq
-    kernels.append(("dense causal SDPA fwd+bwd", 3.5 * dense, 0, 0, 4 * heads * dq * 2))
+    kernels.append(("dense causal SDPA fwd+bwd", 3.5 * dense, 3.5 * dense, 0, 0, 4 * heads * dq * 2))
     rows = []
-    for name, flops, gathered, buffered, other in kernels:
+    for name, flops, issued, gathered, buffered, other in kernels:
         moved = gathered + buffered + other
-        seconds = max(flops / (H200_TFLOPS * 1e12), moved / (H200_TBPS * 1e12)) * length
-        rows.append(dict(kernel=name, tokens=length, mflop_per_query=flops / 1e6, gathered_MB=gathered / 1e6,
-                         buffered_MB=buffered / 1e6, flop_per_byte=flops / moved if moved else float("inf"),
-                         roofline_ms=seconds * 1e3, roofline_tflops=flops * length / seconds / 1e12))  # fmt: skip
+        seconds = max(issued / (H200_TFLOPS * 1e12), moved / (H200_TBPS * 1e12)) * length
+        l2_seconds = max(issued / (H200_TFLOPS * 1e12), (moved - gathered) / (H200_TBPS * 1e12)) * length
+        rows.append(dict(kernel=name, tokens=length, mflop_per_query=flops / 1e6, issued_vs_useful=issued / flops,
+                         gathered_MB=gathered / 1e6, buffered_MB=buffered / 1e6,
+                         flop_per_byte=flops / moved if moved else float("inf"), roofline_ms=seconds * 1e3,
+                         roofline_tflops=flops * length / seconds / 1e12, gathers_in_l2_ms=l2_seconds * 1e3))  # fmt: skip
     return rows
 
 
@@ -230,8 +242,7 @@ def main() -> None:
     parser.add_argument("--kpool", type=int, default=16)
     parser.add_argument("--small", action="store_true", help="CPU dry run sizes (Triton interpreter)")
     args = parser.parse_args()
-    if args.small:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.small:  # (TRITON_INTERPRET=1: set at import)
         args.heads, args.rank, args.dq, args.topk, args.kpool = 4, 32, 16, 16, 4
         args.tokens, args.check_tokens = [256], 64
     device = torch.device(args.device)
@@ -243,6 +254,15 @@ def main() -> None:
     ]
     print("prediction (H200 roofline, before measuring):")
     print_table(predicted, list(predicted[0]))
+    for length in sorted({r["tokens"] for r in predicted}):
+        at = [r for r in predicted if r["tokens"] == length]
+        dense = next(r["roofline_ms"] for r in at if r["kernel"].startswith("dense"))
+        hbm = sum(r["roofline_ms"] for r in at if not r["kernel"].startswith("dense"))
+        l2 = sum(r["gathers_in_l2_ms"] for r in at if not r["kernel"].startswith("dense"))
+        buffer = next(r["roofline_ms"] for r in at if r["kernel"] == "bwd segment sum")
+        print(f"predicted at {length} tokens: sparse fwd+bwd {hbm:.1f} ms (gathers from HBM) to {l2:.1f} ms (from L2), "
+              f"of which {buffer:.1f} ms reads the slot gradients back; dense causal SDPA {dense:.1f} ms: "
+              f"{dense / hbm:.2f}x to {dense / l2:.2f}x at the roofline")  # fmt: skip
     correctness = check(args, device)
     print("correctness vs the torch reference:", correctness)
     rows = [speed(args, device, length) for length in args.tokens]

@@ -5,24 +5,29 @@ Triton compiles for a target without a device: a stand-in driver reports `GPUTar
 the real dtypes, shapes and strides at the released width, so every kernel compiles with the specialisation a
 launch on the GPU gets (16-divisibility, unit strides, int32 vs int64 indexing). The PTX goes through the ptxas
 inside the Triton wheel; `cuobjdump --dump-resource-usage` on the cubin gives registers and the stack (local
-memory: spills). For each kernel: registers per thread, stack bytes, shared memory, warps, the occupancy those
-allow on an SM (64K registers, 228 KiB shared memory, 2,048 threads), and whether its matrix products are Hopper's
-`wgmma` or Ampere-style `mma.sync`.
+memory: spills), `cuobjdump -sass` the machine code. For each kernel: registers per thread, stack bytes, the
+local-memory loads and stores inside its loops (a spill there costs every iteration; one outside, a value saved
+before the loop and read back after it, costs once per program), shared memory, warps, the occupancy those allow on
+an SM (64K registers, 228 KiB shared memory, 2,048 threads), whether its matrix products are Hopper's `wgmma` or
+Ampere-style `mma.sync`, and the shapes of its wgmma instructions (M x N x K, with their counts in the code: small N
+means the A operand is read from shared memory for few columns).
 
     python benchmarks/sm90_compile.py            # the table
     python benchmarks/sm90_compile.py --json     # one JSON object (tests/test_sm90_compile.py reads it)
     bash benchmarks/sm90_compile_triton36.sh     # the same under the GPU image's Triton 3.6
 
-Exit status 1 when a bf16 kernel spills or a kernel needs more than 227 KiB of shared memory (what an sm_90 block
-can have): the checks the tests assert. Must run without TRITON_INTERPRET (it is removed here, before any kernel
-module is imported).
+Exit status 1 when a bf16 kernel spills inside a loop, saves more than MAX_SAVED_BYTES per thread outside them, or a
+kernel needs more than 227 KiB of shared memory (what an sm_90 block can have): the checks the tests assert. Must
+run without TRITON_INTERPRET (it is removed here, before any kernel module is imported).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -45,9 +50,15 @@ SM90_SHARED_PER_SM = 228 * 1024
 SM90_REGISTERS = 65536
 SM90_THREADS = 2048
 SM90_BLOCKS = 32
+MAX_SAVED_BYTES = 128  # a bf16 kernel's stack outside its loops: at most 32 values saved once per program
 # the released width (config.json of GLM-5.3-Flash): 64 heads, kv_lora_rank 512, W = index_topk + index_kpool - 1,
 # hidden 4096, hc_mult 4
 HEADS, LATENT, SLOTS, HIDDEN, STREAMS = 64, 512, 2063, 4096, 4
+SP_HEADS = (
+    32,
+    16,
+    8,
+)  # the heads a rank keeps under sequence parallelism 2, 4, 8: the DSA kernels in bf16 again
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -88,6 +99,12 @@ class KernelReport:
     occupancy: float  # resident warps / 64 per SM, as registers, shared memory and threads allow
     mma: str  # wgmma | mma.sync | none
     compile_s: float
+    loop_spills: int = 0  # local-memory loads / stores (LDL, STL) inside the kernel's loops
+    wgmma_shapes: dict[str, int] | None = None  # "64x16x16" -> count of such HGMMA instructions in the code
+    replicated: list[str] | None = (
+        None  # wgmma products every warpgroup computes whole (Triton IR, see below)
+    )
+    heads: int | None = None  # the DSA kernels' heads per rank (None: not a DSA kernel)
 
     @property
     def spills(self) -> bool:
@@ -122,6 +139,57 @@ def resource_usage(cubin: bytes) -> tuple[int, int]:
     return int(fields["REG"]), int(fields["STACK"])
 
 
+_SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)\s*([^;]*)")
+
+
+def sass(cubin: bytes) -> list[tuple[int, str, str]]:
+    """The cubin's one kernel as (address, opcode, operands), by cuobjdump -sass."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run(
+            [_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    return [
+        (int(m.group(1), 16), m.group(2), m.group(3)) for m in map(_SASS_LINE.match, out.splitlines()) if m
+    ]
+
+
+def loop_spills(code: list[tuple[int, str, str]]) -> int:
+    """LDL / STL instructions inside a loop: between a backward branch's target and the branch."""
+    loops = []
+    for address, opcode, operands in code:
+        target = re.search(r"0x([0-9a-f]+)", operands) if opcode.startswith("BRA") else None
+        if target and int(target.group(1), 16) < address:
+            loops.append((int(target.group(1), 16), address))
+    return sum(1 for address, opcode, _ in code
+               if opcode.startswith(("LDL", "STL")) and any(a <= address <= b for a, b in loops))  # fmt: skip
+
+
+def wgmma_shapes(code: list[tuple[int, str, str]]) -> dict[str, int]:
+    shapes: dict[str, int] = {}
+    for _, opcode, _ in code:
+        if opcode.startswith("HGMMA."):
+            shape = opcode.split(".")[1]
+            shapes[shape] = shapes.get(shape, 0) + 1
+    return shapes
+
+
+def replicated_products(ttgir: str) -> list[str]:
+    """The kernel's wgmma products whose warps along M cover more rows than the product has, "[M x N] xF": Triton
+    lays a product that feeds another product with all warps along M (its rule for attention), so with 8 warps and
+    64 rows both warpgroups compute the same [64 x N] (F = 2): twice the tensor-core work and shared-memory reads."""
+    layouts = {m.group(1): int(m.group(2)) for m in re.finditer(
+        r"^(#mma\d*) = #ttg.nvidia_mma<\{versionMajor = 3.*?warpsPerCTA = \[(\d+), \d+\]", ttgir, re.M)}  # fmt: skip
+    out = []
+    for m in re.finditer(r"ttng.warp_group_dot .*?-> tensor<(\d+)x(\d+)x\w+, (#mma\d*)>", ttgir):
+        rows, cols, layout = int(m.group(1)), int(m.group(2)), m.group(3)
+        factor = 16 * layouts.get(layout, 0) // rows
+        if factor > 1:
+            out.append(f"[{rows} x {cols}] x{factor}")
+    return out
+
+
 def _mma(ptx: str) -> str:
     return "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none"
 
@@ -152,13 +220,13 @@ class _CompileOnly:
         JITFunction.run = self._run  # type: ignore[method-assign]
 
 
-def _dsa(dtype: torch.dtype, tokens: int) -> None:
+def _dsa(dtype: torch.dtype, tokens: int, heads: int = HEADS) -> None:
     """The DSA sparse-attention kernels as the model calls them: q_lat as `absorb_query` makes it (a transposed
     view), the latent [b, L, R], the selection [b, L, W] int32."""
     from glm53_ds.layers import sparse_attention_triton as kernels
 
     g = torch.Generator().manual_seed(0)
-    q_lat = torch.randn(1, HEADS, tokens, LATENT, generator=g).to(dtype).transpose(1, 2)  # [b, L, h, R] view
+    q_lat = torch.randn(1, heads, tokens, LATENT, generator=g).to(dtype).transpose(1, 2)  # [b, L, h, R] view
     latent = torch.randn(1, tokens, LATENT, generator=g).to(dtype)
     selection = torch.randint(0, tokens, (1, tokens, SLOTS), generator=g, dtype=torch.int32)
     out, lse = kernels.sparse_forward(q_lat, latent, selection, LATENT**-0.5)
@@ -178,43 +246,55 @@ def _hc_post(dtype: torch.dtype, tokens: int) -> None:
 
 
 CALLERS = {"dsa": _dsa, "hc_post": _hc_post}
+_DSA_KERNELS = {"_fwd_kernel", "_bwd_slots_kernel", "_bwd_dq_kernel"}  # their tiles follow the heads
 
 
 @triton.jit
-def _spilling_kernel(x_ptr, y_ptr, N: tl.constexpr):
-    """The control: a [N, N] fp32 tile kept whole by one warp (the column sums need every value before the first
-    store): N * N / 32 values per thread, past the 255 registers a thread may have."""
+def _spilling_kernel(x_ptr, y_ptr, steps, N: tl.constexpr):
+    """The control: a [N, N] fp32 tile kept whole by one warp across a loop (the column sums need every value of
+    one step before the next): N * N / 32 values per thread, past the 255 registers a thread may have."""
     offs = tl.arange(0, N)
     x = tl.load(x_ptr + offs[:, None] * N + offs[None, :])
-    tl.store(y_ptr + offs[:, None] * N + offs[None, :], x * tl.sum(x, 0)[None, :] + tl.sum(x, 1)[:, None])
+    for _ in range(steps):
+        x = x * tl.sum(x, 0)[None, :] + tl.sum(x, 1)[:, None]
+    tl.store(y_ptr + offs[:, None] * N + offs[None, :], x)
+
+
+def _report(name: str, dtype: str, kernel: object, seconds: float) -> KernelReport:
+    cubin = kernel.asm["cubin"]  # type: ignore[attr-defined]
+    registers, stack = resource_usage(cubin)
+    shared, warps = kernel.metadata.shared, kernel.metadata.num_warps  # type: ignore[attr-defined]
+    code = sass(cubin)
+    return KernelReport(name.lstrip("_"), dtype, registers, stack, shared, warps, occupancy(registers, shared, warps),
+                        _mma(kernel.asm["ptx"]), round(seconds, 2), loop_spills(code), wgmma_shapes(code),
+                        replicated_products(kernel.asm["ttgir"]))  # type: ignore[attr-defined]  # fmt: skip
 
 
 def control() -> KernelReport:
-    """A kernel that must spill, compiled the same way: the check sees a spill when there is one."""
+    """A kernel that must spill inside its loop, compiled the same way: the check sees a spill when there is one."""
     driver.set_active(_stand_in_driver())
     with _CompileOnly() as compiled:
         x = torch.zeros(128, 128)
-        _spilling_kernel[(1,)](x, x, N=128, num_warps=1)
+        _spilling_kernel[(1,)](x, x, 4, N=128, num_warps=1)
     name, kernel, seconds = compiled.compiled[0]
-    registers, stack = resource_usage(kernel.asm["cubin"])  # type: ignore[attr-defined]
-    shared, warps = kernel.metadata.shared, kernel.metadata.num_warps  # type: ignore[attr-defined]
-    return KernelReport(name.lstrip("_"), "fp32", registers, stack, shared, warps, occupancy(registers, shared, warps),
-                        _mma(kernel.asm["ptx"]), round(seconds, 2))  # type: ignore[attr-defined]  # fmt: skip
+    return _report(name, "fp32", kernel, seconds)
 
 
 def compile_all(dtypes: tuple[str, ...] = ("bf16", "fp32"), tokens: int = 256) -> list[KernelReport]:
     """Every kernel of every caller, per dtype, compiled for sm_90; the reports in compilation order."""
     driver.set_active(_stand_in_driver())  # for the rest of the process: without a GPU there is no other
     reports: list[KernelReport] = []
-    for dtype in dtypes:
+    runs = [(dtype, CALLERS.values(), HEADS) for dtype in dtypes]
+    runs += [("bf16", [functools.partial(_dsa, heads=h)], h) for h in SP_HEADS if "bf16" in dtypes]
+    for dtype, calls, heads in runs:
         with _CompileOnly() as compiled:
-            for call in CALLERS.values():
+            for call in calls:
                 call(DTYPES[dtype], tokens)
         for name, kernel, seconds in compiled.compiled:
-            registers, stack = resource_usage(kernel.asm["cubin"])  # type: ignore[attr-defined]
-            shared, warps = kernel.metadata.shared, kernel.metadata.num_warps  # type: ignore[attr-defined]
-            report = KernelReport(name.lstrip("_"), dtype, registers, stack, shared, warps,
-                                  occupancy(registers, shared, warps), _mma(kernel.asm["ptx"]), round(seconds, 2))  # type: ignore[attr-defined]  # fmt: skip
+            if heads != HEADS and name not in _DSA_KERNELS:
+                continue
+            report = _report(name, dtype, kernel, seconds)
+            report.heads = heads if name in _DSA_KERNELS else None
             same = [r for r in reports if (r.kernel, r.dtype) == (report.kernel, report.dtype)]
             if not any(asdict(r) | {"compile_s": 0} == asdict(report) | {"compile_s": 0} for r in same):
                 reports.append(report)  # another specialisation (an argument's divisibility) that differs
@@ -222,8 +302,10 @@ def compile_all(dtypes: tuple[str, ...] = ("bf16", "fp32"), tokens: int = 256) -
 
 
 def problems(reports: list[KernelReport]) -> list[str]:
-    out = [f"{r.kernel} ({r.dtype}) spills: {r.stack_bytes} bytes of stack per thread" for r in reports
-           if r.spills and r.dtype == "bf16"]  # fmt: skip
+    out = [f"{r.kernel} ({r.dtype}) spills inside a loop: {r.loop_spills} local loads / stores" for r in reports
+           if r.loop_spills and r.dtype == "bf16"]  # fmt: skip
+    out += [f"{r.kernel} ({r.dtype}) saves {r.stack_bytes} bytes per thread outside its loops, more than "
+            f"{MAX_SAVED_BYTES}" for r in reports if r.stack_bytes > MAX_SAVED_BYTES and r.dtype == "bf16"]  # fmt: skip
     out += [f"{r.kernel} ({r.dtype}) needs {r.shared_bytes / 1024:.0f} KiB of shared memory, more than 227 KiB"
             for r in reports if r.shared_bytes > SM90_SHARED]  # fmt: skip
     return out
@@ -245,10 +327,15 @@ def main(argv: list[str] | None = None) -> int:
     head = {"triton": triton.__version__, "torch": torch.__version__, "target": "sm_90",
             "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
     lines = [f"Triton {head['triton']}, torch {head['torch']}: every kernel compiled for sm_90 at the released "
-             f"width (64 heads, latent 512, W {SLOTS}, hidden {HIDDEN}) in {head['seconds']} s",
-             f"{'kernel':<22}{'dtype':<6}{'regs':>5}{'stack':>7}{'smem KiB':>10}{'warps':>6}{'occupancy':>10}  mma"]  # fmt: skip
-    lines += [f"{r.kernel:<22}{r.dtype:<6}{r.registers:>5}{r.stack_bytes:>7}{r.shared_bytes / 1024:>10.1f}"
-              f"{r.warps:>6}{r.occupancy:>10.0%}  {r.mma}" for r in reports]  # fmt: skip
+             f"width (64 heads, latent 512, W {SLOTS}, hidden {HIDDEN}; the DSA kernels in bf16 also at "
+             f"{', '.join(map(str, SP_HEADS))} heads) in {head['seconds']} s",
+             f"{'kernel':<26}{'dtype':<6}{'regs':>5}{'stack':>7}{'in loops':>9}{'smem KiB':>10}{'warps':>6}"
+             f"{'occupancy':>10}  mma (wgmma shapes: count)"]  # fmt: skip
+    lines += [f"{r.kernel + (f' ({r.heads}h)' if r.heads and r.heads != HEADS else ''):<26}{r.dtype:<6}{r.registers:>5}{r.stack_bytes:>7}{r.loop_spills:>9}"
+              f"{r.shared_bytes / 1024:>10.1f}{r.warps:>6}{r.occupancy:>10.0%}  {r.mma}"
+              + (" (" + ", ".join(f"{k}: {v}" for k, v in (r.wgmma_shapes or {}).items()) + ")" if r.wgmma_shapes else "")
+              + (f"; on every warpgroup: {', '.join(r.replicated)}" if r.replicated else "")
+              for r in reports]  # fmt: skip
     lines += [f"problem: {problem}" for problem in found]
     if args.json:
         print(json.dumps({**head, "kernels": [dict(asdict(r), spills=r.spills) for r in reports],

@@ -6,24 +6,40 @@ from __future__ import annotations
 
 import torch
 
-# The fused backward's per-slot latent gradients (fp32 [rows, W, R]) and ds (fp32 [rows, H, W]) are made for a chunk
-# of query rows at a time, under this many bytes (`sparse_attention_triton.sparse_backward`).
+# The fused backward's per-slot latent gradients [rows, W, R] and ds [rows, H, W] are made for a chunk of query rows at
+# a time, under this many bytes (`sparse_attention_triton.sparse_backward`).
 SLOT_GRAD_BYTES = 1 << 30
 
 
-def chunk_rows(width: int, rank: int, heads: int, slot_grad_bytes: int = SLOT_GRAD_BYTES) -> int:
-    """Query rows per chunk of the fused backward: their fp32 slot gradients [rows, W, R] and ds [rows, H, W]
-    fit `slot_grad_bytes`."""
-    return max(1, slot_grad_bytes // max(1, width * (rank + heads) * 4))
+def buffer_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the backward's slot gradients and ds for operands of `dtype`: bf16 for bf16 / fp16 operands
+    (ds enters the dq product in that dtype anyway; each slot gradient, fp32 inside its product, is rounded once
+    before the fp32 sum over a key's references: the buffer's write and read back are the backward's largest
+    memory traffic, halved), fp32 for fp32."""
+    return torch.float32 if dtype == torch.float32 else torch.bfloat16
+
+
+def chunk_rows(
+    width: int,
+    rank: int,
+    heads: int,
+    slot_grad_bytes: int = SLOT_GRAD_BYTES,
+    dtype: torch.dtype = torch.float32,
+) -> int:
+    """Query rows per chunk of the fused backward: their slot gradients [rows, W, R] and ds [rows, H, W] (in
+    `buffer_dtype(dtype)`) fit `slot_grad_bytes`."""
+    itemsize = buffer_dtype(dtype).itemsize
+    return max(1, slot_grad_bytes // max(1, width * (rank + heads) * itemsize))
 
 
 def backward_workspace(
-    b: int, length: int, heads: int, rank: int, width: int
+    b: int, length: int, heads: int, rank: int, width: int, dtype: torch.dtype = torch.float32
 ) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """What the fused backward allocates besides its gradients, at most at once (for the planner's count): one
     chunk's slot gradients and ds, the fp32 latent-gradient accumulator [b L, R], delta [b, L, h], and the chunk's
     sort (int32 keys, int32 sorted keys, int64 order)."""
-    rows = min(b * length, chunk_rows(width, rank, heads))
-    return [((rows, width, rank), torch.float32), ((rows, heads, width), torch.float32),
+    rows = min(b * length, chunk_rows(width, rank, heads, dtype=dtype))
+    buffer = buffer_dtype(dtype)
+    return [((rows, width, rank), buffer), ((rows, heads, width), buffer),
             ((b * length, rank), torch.float32), ((b, length, heads), torch.float32),
             ((rows * width * 16,), torch.uint8)]  # fmt: skip

@@ -138,7 +138,7 @@ _triton_op.register_autograd(_triton_grad, setup_context=_triton_setup)
 def _triton_workspace(grad_out: torch.Tensor, q_lat: torch.Tensor, latent: torch.Tensor, tokens: torch.Tensor,
                       *_: Any) -> fused_kernels.Workspace:  # fmt: skip
     b, length, heads, rank = q_lat.shape
-    return backward_workspace(b, length, heads, rank, tokens.shape[-1])
+    return backward_workspace(b, length, heads, rank, tokens.shape[-1], q_lat.dtype)
 
 
 fused_kernels.register(fused_kernels.FusedKernel(

@@ -9,26 +9,28 @@ blocks of `BLOCK_W`. Fewer heads (sequence parallelism leaves 32, 16 or 8 per ra
 16 rows: Ampere-style MMAs where the tile is under 64 rows, the same one gather per query).
 
 Forward (`_fwd_kernel`): an online softmax in base 2 (the scale pre-multiplied by log2(e), `exp2`): s = q_lat c^T
-[heads x BLOCK_W], acc = acc * alpha + p c; o_lat and the natural-log LSE per head written once. Nothing of size
-[L, W] or [L, L] touches memory. A query with no valid slot writes 0 and lse = -inf (the wrapper's blind-row rule
+[heads x BLOCK_W], acc = acc * alpha + p c, the accumulator rescaled lazily (only when a block raises some head's
+max by more than RESCALE_LOG2); o_lat and the natural-log LSE per head written once. Nothing of size [L, W] or
+[L, L] touches memory. A query with no valid slot writes 0 and lse = -inf (the wrapper's blind-row rule
 replaces such rows).
 
 Backward, deterministic (no floating-point atomics) and linear in L:
-  - `_bwd_kernel`, one program per query, all heads: per block of slots five matrix products, s = q c^T,
-    dp = dO c^T, dq += ds c, and the slots' latent gradients g = ds^T q + p^T dO ([BLOCK_W, R] fp32, written to a
-    buffer [rows, W, R] for a chunk of queries), with p recomputed from the LSE and ds = p (dp - delta).
+  - `_bwd_slots_kernel`, one program per (query, block of slots), all heads: s = q c^T, dp = dO c^T, p recomputed
+    from the LSE, ds = p (dp - delta), and the slots' latent gradients g = ds^T q + p^T dO (one product over both:
+    [BLOCK_W, R], fp32 inside, written to the chunk's buffer [rows, W, R], bf16 for bf16 operands:
+    `dsa_workspace.buffer_dtype`); ds to the chunk's [rows, H, W] (same dtype); `_bwd_dq_kernel`: dq = ds c.
   - per chunk: the chunk's slot references (int32 keys, the chunk's own [rows, W]) sorted stably by the key token
     they read, and `_segment_sum_kernel`, one program per block of `BLOCK_E` sorted references, adds each run of
     one key that starts in its block, in that order, `BLOCK_F` rows at a time, into d_latent. The programs a chunk
     launches are bounded by its references (rows x W), never by L: the whole backward launches O(L W) programs and
     sorts O(L W) keys, with no [L, W] int64 tensor.
-  The chunk (`SLOT_GRAD_BYTES` of fp32 slot gradients) keeps the buffer bounded at any length.
+  The chunk (`SLOT_GRAD_BYTES` of slot gradients and ds) keeps the buffer bounded at any length.
 
-bf16 or fp32 operands, fp32 accumulation (fp32 dots in IEEE precision, not TF32). R and h need not be powers of 2
-(masked); R up to 512 (the released kv_lora_rank), h up to 64 per program (more: several head blocks forward; the
-backward refuses them, naming the limit). Triton's CPU interpreter (TRITON_INTERPRET=1) computes bf16 dots wrongly
-(triton 3.9), so there the operands are upcast to fp32 first: the same products (bf16 x bf16 is exact in fp32), the
-same fp32 accumulation.
+bf16 or fp32 operands, fp32 accumulation (fp32 dots in IEEE precision, not TF32; bf16: the slot gradients are
+rounded to bf16 once each, then summed per key in fp32). R and h need not be powers of 2 (masked); R up to 512 (the
+released kv_lora_rank), h up to 64 per program (more: several head blocks forward; the backward refuses them, naming
+the limit). Triton's CPU interpreter (TRITON_INTERPRET=1) computes bf16 dots wrongly (triton 3.9), so there the
+operands are upcast to fp32 first: the same products (bf16 x bf16 is exact in fp32), the same fp32 accumulation.
 
 The autograd of these kernels is the custom op `glm53::sparse_attention_triton` (sparse_attention_op.py: what it
 keeps, its fake implementation for meta tensors). This module is imported lazily: `triton.jit` decides at decoration
@@ -45,11 +47,12 @@ import triton.language as tl
 
 from .. import backends
 from . import sparse_attention_op
-from .dsa_workspace import SLOT_GRAD_BYTES, chunk_rows
+from .dsa_workspace import SLOT_GRAD_BYTES, buffer_dtype, chunk_rows
 from .sparse_attention_op import sparse_attention_fused
 
 MAX_HEADS = 64  # heads per program: the backward holds all of a query's heads in one tile
 LOG2E = math.log2(math.e)
+RESCALE_LOG2 = tl.constexpr(8.0)  # the forward's lazy rescale threshold (log2 units: a factor 256)
 
 
 @triton.jit
@@ -61,14 +64,18 @@ def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _load_slots(t_ptr, c_ptr, bi, i, offs_w, W, offs_r, mask_r, s_tb, s_tl, s_tw, s_cb, s_cl, s_cr):
-    """Query i's slots offs_w: which are valid, and their latent rows [BLOCK_W, BLOCK_R] (0 where not)."""
+def _load_slots(
+    t_ptr, c_ptr, bi, i, offs_w, W, offs_r, mask_r, s_tb, s_tl, s_tw, s_cb, s_cl, s_cr, EVEN_R: tl.constexpr
+):  # fmt: skip
+    """Query i's slots offs_w: which are valid, and their latent rows [BLOCK_W, BLOCK_R] (0 where not). EVEN_R
+    (R == BLOCK_R): no column mask, fewer predicates held across the loop."""
     tok = tl.load(t_ptr + bi * s_tb + i * s_tl + offs_w * s_tw, mask=offs_w < W, other=-1).to(tl.int64)
     valid = tok >= 0
-    c = tl.load(
-        c_ptr + bi * s_cb + tok[:, None] * s_cl + offs_r[None, :] * s_cr,
-        mask=valid[:, None] & mask_r[None, :], other=0.0,
-    )  # fmt: skip
+    if EVEN_R:
+        mask = valid[:, None]
+    else:
+        mask = valid[:, None] & mask_r[None, :]
+    c = tl.load(c_ptr + bi * s_cb + tok[:, None] * s_cl + offs_r[None, :] * s_cr, mask=mask, other=0.0)
     return valid, c
 
 
@@ -80,7 +87,7 @@ def _fwd_kernel(
     s_cb, s_cl, s_cr,
     s_tb, s_tl, s_tw,
     s_ob, s_ol, s_oh, s_or,
-    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, EVEN_R: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
@@ -99,17 +106,23 @@ def _fwd_kernel(
     for w0 in range(0, W, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
         valid, c = _load_slots(
-            t_ptr, c_ptr, bi, i, offs_w, W, offs_r, mask_r, s_tb, s_tl, s_tw, s_cb, s_cl, s_cr
+            t_ptr, c_ptr, bi, i, offs_w, W, offs_r, mask_r, s_tb, s_tl, s_tw, s_cb, s_cl, s_cr, EVEN_R
         )  # [BLOCK_W], [BLOCK_W, BLOCK_R]: gathered once for every head
         s = _dot(q, tl.trans(c), UPCAST, PRECISION) * scale_log2  # [BLOCK_H, BLOCK_W], log2 units
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        denom = denom * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(c.dtype), c, UPCAST, PRECISION)
-        m = m_new
+        m_block = tl.max(s, 1)
+        # Lazy rescale: the [BLOCK_H, R] accumulator is rescaled only when some head's max grows by more than
+        # RESCALE_LOG2 (p stays <= 2^RESCALE_LOG2 otherwise: exact in fp32, in range in bf16), not every block.
+        grows = m_block > m  # where it does, m_block is finite: m_block - m never computes inf - inf
+        if tl.max(tl.where(grows, m_block - tl.where(grows, m, 0.0), 0.0), 0) > RESCALE_LOG2:
+            m_new = tl.maximum(m, m_block)
+            alpha = tl.exp2(m - tl.where(m_new == float("-inf"), 0.0, m_new))
+            denom = denom * alpha
+            acc = acc * alpha[:, None]
+            m = m_new
+        p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
+        denom = denom + tl.sum(p, 1)
+        acc = acc + _dot(p.to(c.dtype), c, UPCAST, PRECISION)
     seen = denom > 0
     out = acc / tl.where(seen, denom, 1.0)[:, None]
     tl.store(
@@ -129,13 +142,13 @@ def _bwd_slots_kernel(
     s_cb, s_cl, s_cr,
     s_tb, s_tl, s_tw,
     BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, SUB_R: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    PAIRED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Query row0 + program 0, slots program 1 (a block of BLOCK_W): four matrix products, each over SUB_R columns
     of the latent at a time (small tiles: the [BLOCK_W x R] gather never sits whole in shared memory):
     s = q c^T and dp = dO c^T [heads x slots], then ds = scaling p (dp - delta) and the slots' latent gradients
-    g = ds^T q + p^T dO [slots x R] (fp32, the chunk's buffer [rows, W, R]); ds [heads x slots] fp32 to the
-    chunk's buffer [rows, H, W] for dq. dO contiguous [b, L, H, R]; lse, delta [b, L, H]."""
+    g = ds^T q + p^T dO [slots x R] (fp32 sums, stored in the dtype of the chunk's buffer [rows, W, R]); ds
+    [heads x slots] to the chunk's buffer [rows, H, W] for dq. dO contiguous [b, L, H, R]; lse, delta [b, L, H]."""
     local = tl.program_id(0).to(tl.int64)
     row = row0 + local
     bi, i = row // L, row % L
@@ -163,18 +176,35 @@ def _bwd_slots_kernel(
     lse_safe = tl.where(lse == float("-inf"), float("inf"), lse)  # rows without slots: p = 0
     p = tl.where(valid[None, :], tl.exp(s * scaling - lse_safe[:, None]), 0.0)  # [BLOCK_H, BLOCK_W]
     ds = p * (dp - delta[:, None]) * scaling
-    tl.store(ds_ptr + local * H * W + offs_h[:, None] * W + offs_w[None, :], ds,
+    tl.store(ds_ptr + local * H * W + offs_h[:, None] * W + offs_w[None, :], ds.to(ds_ptr.dtype.element_ty),
              mask=mask_h[:, None] & mask_w[None, :])  # fmt: skip
+    # bf16 / fp16 (PAIRED): g = ds^T q + p^T dO as one product over both, [BLOCK_W, 2 BLOCK_H] x [2 BLOCK_H, SUB_R]:
+    # column 2h of the left operand is head h's ds, 2h + 1 its p; row 2h of the right is head h's q, 2h + 1 its dO.
+    # Not one product accumulated into another: Triton lays a product that feeds a product with every warp along
+    # its 64 rows, so both warpgroups would compute it whole (see `_blocks`). fp32 (CUDA-core dots, no such layout;
+    # the paired operand would spill under Triton 3.6): two products.
+    if PAIRED:
+        pair = tl.reshape(tl.join(tl.trans(ds), tl.trans(p)), [BLOCK_W, 2 * BLOCK_H])
+        offs_k = tl.arange(0, 2 * BLOCK_H)
+        head_k, is_do = offs_k // 2, (offs_k % 2) == 1
     for r0 in range(0, BLOCK_R, SUB_R):
         offs_r = r0 + offs_s
         mask_r = offs_r < R
-        q = tl.load(q_ptr + bi * s_qb + i * s_ql + offs_h[:, None] * s_qh + offs_r[None, :] * s_qr,
-                    mask=mask_h[:, None] & mask_r[None, :], other=0.0)  # fmt: skip
-        do = tl.load(do_ptr + row * H * R + offs_h[:, None] * R + offs_r[None, :],
-                     mask=mask_h[:, None] & mask_r[None, :], other=0.0)  # fmt: skip
-        g = _dot(tl.trans(ds).to(q.dtype), q, UPCAST, PRECISION)  # 3
-        g += _dot(tl.trans(p).to(do.dtype), do, UPCAST, PRECISION)  # 4
-        tl.store(g_ptr + local * W * R + offs_w[:, None] * R + offs_r[None, :], g,
+        if PAIRED:
+            q_do = tl.load(
+                tl.where(is_do[:, None], do_ptr + row * H * R + head_k[:, None] * R + offs_r[None, :],
+                         q_ptr + bi * s_qb + i * s_ql + head_k[:, None] * s_qh + offs_r[None, :] * s_qr),
+                mask=(head_k < H)[:, None] & mask_r[None, :], other=0.0,
+            )  # fmt: skip
+            g = _dot(pair.to(q_do.dtype), q_do, UPCAST, PRECISION)  # 3, 4
+        else:
+            q = tl.load(q_ptr + bi * s_qb + i * s_ql + offs_h[:, None] * s_qh + offs_r[None, :] * s_qr,
+                        mask=mask_h[:, None] & mask_r[None, :], other=0.0)  # fmt: skip
+            do = tl.load(do_ptr + row * H * R + offs_h[:, None] * R + offs_r[None, :],
+                         mask=mask_h[:, None] & mask_r[None, :], other=0.0)  # fmt: skip
+            g = _dot(tl.trans(ds).to(q.dtype), q, UPCAST, PRECISION)  # 3
+            g += _dot(tl.trans(p).to(do.dtype), do, UPCAST, PRECISION)  # 4
+        tl.store(g_ptr + local * W * R + offs_w[:, None] * R + offs_r[None, :], g.to(g_ptr.dtype.element_ty),
                  mask=mask_w[:, None] & mask_r[None, :])  # fmt: skip
 
 
@@ -184,7 +214,7 @@ def _bwd_dq_kernel(
     row0, L, W, H, R,
     s_cb, s_cl, s_cr,
     s_tb, s_tl, s_tw,
-    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, EVEN_R: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Query row0 + program 0, heads program 1: dq [H, R] = ds c over its slots (the fifth product), the query's
@@ -200,7 +230,7 @@ def _bwd_dq_kernel(
     for w0 in range(0, W, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
         valid, c = _load_slots(
-            t_ptr, c_ptr, bi, i, offs_w, W, offs_r, mask_r, s_tb, s_tl, s_tw, s_cb, s_cl, s_cr
+            t_ptr, c_ptr, bi, i, offs_w, W, offs_r, mask_r, s_tb, s_tl, s_tw, s_cb, s_cl, s_cr, EVEN_R
         )  # [BLOCK_W], [BLOCK_W, BLOCK_R]
         ds = tl.load(ds_ptr + local * H * W + offs_h[:, None] * W + offs_w[None, :],
                      mask=mask_h[:, None] & (offs_w < W)[None, :], other=0.0)  # fmt: skip
@@ -235,7 +265,7 @@ def _segment_sum_kernel(
                 slots = tl.load(order_ptr + at, mask=in_run, other=0)
                 rows = tl.load(g_ptr + slots[:, None] * R + offs_r[None, :], mask=in_run[:, None] & mask_r[None, :],
                                other=0.0)  # fmt: skip
-                acc += tl.sum(rows, 0)
+                acc += tl.sum(rows.to(tl.float32), 0)
                 f += BLOCK_F
                 more = tl.sum(in_run.to(tl.int32), 0) == BLOCK_F
             ptrs = dc_ptr + key.to(tl.int64) * R + offs_r
@@ -243,16 +273,20 @@ def _segment_sum_kernel(
 
 
 def _blocks(heads: int, rank: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_H, BLOCK_W, BLOCK_R, warps) of the forward and dq kernels. bf16 / fp16: all of a query's heads in one
-    tile (at least 16 rows for the MMA, at most 64), the latent whole, slot blocks as large as the [BLOCK_H, R]
-    accumulators leave registers for. fp32 (IEEE dots on CUDA cores, no tensor-core path to shape for): 16-head
-    tiles, which compile without spills."""
+    """(BLOCK_H, BLOCK_W, BLOCK_R, warps) of the forward kernel; the dq kernel takes all but BLOCK_W. bf16 / fp16: all
+    of a query's heads in one tile (at least 16 rows for the MMA, at most 64), the latent whole, slot blocks as
+    large as the [BLOCK_H, R] accumulators leave registers for without a spill inside the slot loop (compiled for
+    sm_90, at R 512: 64 heads x 32 slots, 64 slots in the loop spill; fewer heads x 64 slots). The slot block is the
+    N of the score product s = q c^T, which Triton places on both warpgroups alike (its layout rule for a product
+    feeding another: warps along M, and M is only 64 heads), as 64 x (BLOCK_W / 2) x 16 wgmma instructions: 16 slots
+    made them 64 x 8 x 16, bound by reading the [64 x 16] q operand from shared memory once per 8 slots. fp32 (IEEE
+    dots on CUDA cores, no tensor-core path to shape for): 16-head tiles, which compile without spills."""
     block_r = max(16, triton.next_power_of_2(rank))
     if dtype == torch.float32:
         return 16, 16, block_r, 4
     block_h = min(MAX_HEADS, max(16, triton.next_power_of_2(heads)))
     warps = 8 if block_h * block_r >= 64 * 256 else 4
-    return block_h, 16 if block_r >= 512 else 32, block_r, warps
+    return block_h, 32 if block_h * block_r >= 64 * 512 else 64, block_r, warps
 
 
 def _slot_blocks(rank: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -289,7 +323,8 @@ def sparse_forward(
     _fwd_kernel[grid](
         q_lat, latent, tokens, out, lse, length, width, heads, rank, scaling * LOG2E,
         *_strides(q_lat), *_strides(latent), *_strides(tokens), *_strides(out),
-        BLOCK_H=block_h, BLOCK_W=block_w, BLOCK_R=block_r, UPCAST=upcast, PRECISION=precision, num_warps=warps,
+        BLOCK_H=block_h, BLOCK_W=block_w, BLOCK_R=block_r, EVEN_R=rank == block_r, UPCAST=upcast,
+        PRECISION=precision, num_warps=warps,
     )  # fmt: skip
     return out, lse
 
@@ -313,7 +348,10 @@ def sparse_backward(
     if heads > MAX_HEADS:
         raise ValueError(f"sparse attention kernel backward: {heads} heads per rank; at most {MAX_HEADS} (use "
                          "sequence parallelism, or attention_impl='sparse')")  # fmt: skip
-    block_h, block_w, block_r, warps = _blocks(heads, rank, q_lat.dtype)
+    block_h, _, block_r, warps = _blocks(heads, rank, q_lat.dtype)
+    # dq's slot block (its product's K: one product per block, N = R wide already): 16 at R 512 (32 spills in its
+    # loop at 8 heads), else 32
+    block_w = 16 if block_r >= 512 or q_lat.dtype == torch.float32 else 32
     all_heads = min(MAX_HEADS, max(16, triton.next_power_of_2(heads)))  # the slot kernel's tile: every head
     upcast, precision = _modes(q_lat.dtype)
     grad_out = grad_out.contiguous()
@@ -325,22 +363,24 @@ def sparse_backward(
         return dq.zero_(), d_latent.view(b, length, rank).to(latent.dtype)
     strides = (*_strides(latent), *_strides(tokens))
     slot_w, sub_r = _slot_blocks(rank, q_lat.dtype)
-    chunk = chunk_rows(width, rank, heads, slot_grad_bytes)
+    chunk = chunk_rows(width, rank, heads, slot_grad_bytes, q_lat.dtype)
+    buffer = buffer_dtype(q_lat.dtype)
     seg_r = min(block_r, 128)
     empty = n_rows  # the key of an empty slot: sorted last, summed nowhere
     flat = tokens.reshape(n_rows, width)
     for row0 in range(0, n_rows, chunk):
         rows = min(chunk, n_rows - row0)
-        g = torch.empty(rows, width, rank, dtype=torch.float32, device=latent.device)
-        ds = torch.empty(rows, heads, width, dtype=torch.float32, device=latent.device)
+        g = torch.empty(rows, width, rank, dtype=buffer, device=latent.device)
+        ds = torch.empty(rows, heads, width, dtype=buffer, device=latent.device)
         _bwd_slots_kernel[(rows, triton.cdiv(width, slot_w))](
             q_lat, latent, tokens, grad_out, lse, delta, g, ds, row0, length, width, heads, rank, scaling,
             *_strides(q_lat), *strides, BLOCK_H=all_heads, BLOCK_W=slot_w, BLOCK_R=block_r, SUB_R=sub_r,
-            UPCAST=upcast, PRECISION=precision, num_warps=8,
+            PAIRED=q_lat.dtype != torch.float32, UPCAST=upcast, PRECISION=precision, num_warps=8,
         )  # fmt: skip
         _bwd_dq_kernel[(rows, triton.cdiv(heads, block_h))](
             latent, tokens, ds, dq, row0, length, width, heads, rank, *strides,
-            BLOCK_H=block_h, BLOCK_W=block_w, BLOCK_R=block_r, UPCAST=upcast, PRECISION=precision, num_warps=warps,
+            BLOCK_H=block_h, BLOCK_W=block_w, BLOCK_R=block_r, EVEN_R=rank == block_r, UPCAST=upcast,
+            PRECISION=precision, num_warps=warps,
         )  # fmt: skip
         # the chunk's references by the key token they read: int32, this chunk's rows only
         first = torch.arange(row0, row0 + rows, device=tokens.device, dtype=torch.int32) // length * length

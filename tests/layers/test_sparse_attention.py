@@ -360,6 +360,93 @@ def test_kernel_at_the_head_counts_of_sequence_parallelism(heads, kpool, bf16):
     _against_the_reference(*_realistic_case(256, heads=heads, topk=32, kpool=kpool), bf16=bf16)
 
 
+def _climbing_scores(heads: int, rank: int, dtype: torch.dtype, width: int = 128):
+    """Every row attends the same W slots over 24 latent rows: slots 0-63 cycle 4 times through tokens 0-15, whose
+    scores rise by 0.4 per token in log2 units (after the first block no block raises the max by more than the
+    forward's rescale threshold of 8: the running max is kept), then slots 64- climb through tokens 16-23 in steps
+    of 34 (every block rescales), 278 in all: without rescaling, p would reach 2^278, past fp32's range. Latent
+    column 0 carries the score (scaling 1, q = e0 scaled a little per head)."""
+    level = torch.cat([0.4 * torch.arange(16), 6.4 + 34 * torch.arange(1, 9)]) * math.log(
+        2
+    )  # [24], natural log
+    g = torch.Generator().manual_seed(3)
+    latent = torch.randn(1, 24, rank, generator=g) * 0.5
+    latent[0, :, 0] = level
+    q = torch.zeros(1, 24, heads, rank)
+    q[..., 0] = 1.0 + 0.01 * torch.arange(heads)
+    slots = torch.cat([torch.arange(64) % 16, 16 + torch.arange(width - 64) * 8 // (width - 64)]).int()
+    return q.to(dtype), latent.to(dtype), slots.expand(1, 24, width).contiguous()
+
+
+def _exact_forward(q, latent, tokens):
+    """out and lse in fp64 from the inputs as given: softmax over each query's valid slots."""
+    q, latent = q.double(), latent.double()
+    rows = latent[0, tokens[0].clamp_min(0).long()]  # [L, W, R]
+    s = torch.einsum("lhr,lwr->lhw", q[0], rows).masked_fill((tokens[0] < 0)[:, None, :], float("-inf"))
+    return torch.einsum("lhw,lwr->lhr", s.softmax(-1), rows)[None], s.logsumexp(-1)[None]
+
+
+@pytest.mark.parametrize("heads, rank, dtype", [(4, 16, torch.float32), (4, 16, torch.bfloat16),
+                                                (64, 512, torch.bfloat16)])  # fmt: skip
+def test_the_forward_rescales_lazily_and_exactly(heads, rank, dtype, monkeypatch):
+    """The forward rescales its accumulator only when a block of slots raises some head's max by more than 8
+    (log2 units), not every block: on scores that climb slowly, then steeply, by 278 in all, out and lse match an
+    fp64 softmax of the same inputs (fp32 <= 1e-5, bf16 <= 2e-2 relative; the released 64 heads x 512 latent's
+    32-slot blocks included). The control: a kernel that never rescales after the first block overflows."""
+    from glm53_ds.layers import sparse_attention_triton as kernels
+
+    q, latent, tokens = _climbing_scores(heads, rank, dtype)
+    out, lse = sparse_forward(q, latent, tokens, 1.0)
+    ref_out, ref_lse = _exact_forward(q, latent, tokens)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel_err(out, ref_out) <= tol and rel_err(lse, ref_lse) <= 1e-5, (
+        rel_err(out, ref_out),
+        rel_err(lse, ref_lse),
+    )
+
+    monkeypatch.setattr(
+        kernels, "RESCALE_LOG2", kernels.tl.constexpr(1e30)
+    )  # the interpreter reads it per call
+    with (
+        torch.no_grad(),
+        pytest.warns(RuntimeWarning),
+    ):  # numpy's overflow, where the kernel's exp2 reaches inf
+        broken, _ = sparse_forward(q, latent, tokens, 1.0)
+    assert not torch.isfinite(broken).all()
+
+
+def test_bf16_operands_keep_their_slot_gradients_and_ds_in_bf16(monkeypatch):
+    """For bf16 operands the backward's chunk buffers (each slot's latent gradient [W, R], ds [H, W]) are bf16: the
+    buffer's write and read back, the backward's largest memory traffic, halve, and a chunk holds twice the rows
+    in the same bytes. ds enters the dq product in bf16 anyway: dq is bitwise the fp32 buffer's. Each slot
+    gradient is rounded once before the fp32 sum per key: d_latent stays within bf16's 2e-2 of the fp32 reference
+    and within twice the fp32 buffer's error (measured: 1.2e-2 vs 7.8e-3 here, 128 tokens at W 19; 7.0e-3 vs
+    6.2e-3 at W 47; 6.6e-3 vs 4.2e-3 at 512 tokens, W 67; dq's own error is 9e-3 to 1.1e-2). The fp32 buffer is
+    the control, forced: its chunks hold half the rows."""
+    from glm53_ds.layers import dsa_workspace
+    from glm53_ds.layers import sparse_attention_triton as kernels
+
+    q, c, tokens = _realistic_case(128, heads=16, topk=16, kpool=4)
+    ref = _grads(lambda *a: sparse_reference(*a, 0.2), q, c, tokens)
+    low = (q.bfloat16(), c.bfloat16(), tokens)
+    got = _grads(lambda *a: sparse_attention_triton(*a, 0.2), *low)
+    width, rank, heads = tokens.shape[-1], q.shape[-1], q.shape[-2]
+    rows = dsa_workspace.chunk_rows(width, rank, heads, 1 << 20, torch.bfloat16)
+    assert rows == 2 * dsa_workspace.chunk_rows(width, rank, heads, 1 << 20, torch.float32)
+    workspace = dsa_workspace.backward_workspace(1, 1 << 14, heads, rank, width, torch.bfloat16)
+    assert [d for _, d in workspace[:2]] == [torch.bfloat16, torch.bfloat16]
+
+    monkeypatch.setattr(kernels, "buffer_dtype", lambda dtype: torch.float32)
+    monkeypatch.setattr(dsa_workspace, "buffer_dtype", lambda dtype: torch.float32)
+    wide = _grads(lambda *a: sparse_attention_triton(*a, 0.2), *low)
+    assert torch.equal(wide[1], got[1])
+    assert rel_err(got[2], ref[2]) <= min(2e-2, 2 * rel_err(wide[2], ref[2])), (
+        rel_err(got[2], ref[2]),
+        rel_err(wide[2], ref[2]),
+    )
+    assert dsa_workspace.chunk_rows(width, rank, heads, 1 << 20, torch.bfloat16) == rows // 2
+
+
 @pytest.mark.parametrize("entry", ["sparse_attention_reference", "sparse_attention_fused"])
 def test_the_ops_check_the_contract_on_every_device(entry):
     """Before: only the meta implementations checked the shapes; on CPU a latent of another length reached the
