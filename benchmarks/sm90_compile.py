@@ -54,11 +54,8 @@ MAX_SAVED_BYTES = 128  # a bf16 kernel's stack outside its loops: at most 32 val
 # the released width (config.json of GLM-5.3-Flash): 64 heads, kv_lora_rank 512, W = index_topk + index_kpool - 1,
 # hidden 4096, hc_mult 4
 HEADS, LATENT, SLOTS, HIDDEN, STREAMS = 64, 512, 2063, 4096, 4
-SP_HEADS = (
-    32,
-    16,
-    8,
-)  # the heads a rank keeps under sequence parallelism 2, 4, 8: the DSA kernels in bf16 again
+# the heads a rank keeps under sequence parallelism 2, 4, 8: the DSA kernels in bf16 again
+SP_HEADS = (32, 16, 8)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -101,9 +98,8 @@ class KernelReport:
     compile_s: float
     loop_spills: int = 0  # local-memory loads / stores (LDL, STL) inside the kernel's loops
     wgmma_shapes: dict[str, int] | None = None  # "64x16x16" -> count of such HGMMA instructions in the code
-    replicated: list[str] | None = (
-        None  # wgmma products every warpgroup computes whole (Triton IR, see below)
-    )
+    # wgmma products every warpgroup computes whole (from the Triton IR: `replicated_products`)
+    replicated: list[str] | None = None
     heads: int | None = None  # the DSA kernels' heads per rank (None: not a DSA kernel)
 
     @property
@@ -127,13 +123,18 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(compiler.__file__), "bin", name)
 
 
-def resource_usage(cubin: bytes) -> tuple[int, int]:
-    """(registers, stack bytes) of a cubin's one kernel, by cuobjdump."""
+def _cuobjdump(cubin: bytes, flag: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True,
-                             check=True).stdout  # fmt: skip
+        return subprocess.run(
+            [_tool("cuobjdump"), flag, f.name], capture_output=True, text=True, check=True
+        ).stdout
+
+
+def resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack bytes) of a cubin's one kernel, by cuobjdump."""
+    out = _cuobjdump(cubin, "--dump-resource-usage")
     line = next(x for x in out.splitlines() if "REG:" in x)
     fields = dict(item.split(":") for item in line.split() if ":" in item)
     return int(fields["REG"]), int(fields["STACK"])
@@ -144,12 +145,7 @@ _SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za
 
 def sass(cubin: bytes) -> list[tuple[int, str, str]]:
     """The cubin's one kernel as (address, opcode, operands), by cuobjdump -sass."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run(
-            [_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True
-        ).stdout
+    out = _cuobjdump(cubin, "-sass")
     return [
         (int(m.group(1), 16), m.group(2), m.group(3)) for m in map(_SASS_LINE.match, out.splitlines()) if m
     ]

@@ -289,6 +289,12 @@ def _blocks(heads: int, rank: int, dtype: torch.dtype) -> tuple[int, int, int, i
     return block_h, 32 if block_h * block_r >= 64 * 512 else 64, block_r, warps
 
 
+def _dq_slot_block(block_r: int, dtype: torch.dtype) -> int:
+    """BLOCK_W of the dq kernel (its product's K: one product per block, its N the latent, wide already): 16 in fp32
+    and at R 512 (32 spills inside its loop at 8 heads), else 32."""
+    return 16 if block_r >= 512 or dtype == torch.float32 else 32
+
+
 def _slot_blocks(rank: int, dtype: torch.dtype) -> tuple[int, int]:
     """(BLOCK_W, SUB_R) of the slot-gradient kernel (all heads in one tile: a slot's gradient sums over them): 64
     slots (the M of its latent-gradient products: wgmma), the latent in sub-blocks of up to 128 columns (32 in
@@ -349,9 +355,7 @@ def sparse_backward(
         raise ValueError(f"sparse attention kernel backward: {heads} heads per rank; at most {MAX_HEADS} (use "
                          "sequence parallelism, or attention_impl='sparse')")  # fmt: skip
     block_h, _, block_r, warps = _blocks(heads, rank, q_lat.dtype)
-    # dq's slot block (its product's K: one product per block, N = R wide already): 16 at R 512 (32 spills in its
-    # loop at 8 heads), else 32
-    block_w = 16 if block_r >= 512 or q_lat.dtype == torch.float32 else 32
+    block_w = _dq_slot_block(block_r, q_lat.dtype)
     all_heads = min(MAX_HEADS, max(16, triton.next_power_of_2(heads)))  # the slot kernel's tile: every head
     upcast, precision = _modes(q_lat.dtype)
     grad_out = grad_out.contiguous()

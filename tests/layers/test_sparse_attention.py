@@ -366,9 +366,8 @@ def _climbing_scores(heads: int, rank: int, dtype: torch.dtype, width: int = 128
     forward's rescale threshold of 8: the running max is kept), then slots 64- climb through tokens 16-23 in steps
     of 34 (every block rescales), 278 in all: without rescaling, p would reach 2^278, past fp32's range. Latent
     column 0 carries the score (scaling 1, q = e0 scaled a little per head)."""
-    level = torch.cat([0.4 * torch.arange(16), 6.4 + 34 * torch.arange(1, 9)]) * math.log(
-        2
-    )  # [24], natural log
+    # [24] scores, natural log
+    level = torch.cat([0.4 * torch.arange(16), 6.4 + 34 * torch.arange(1, 9)]) * math.log(2)
     g = torch.Generator().manual_seed(3)
     latent = torch.randn(1, 24, rank, generator=g) * 0.5
     latent[0, :, 0] = level
@@ -399,18 +398,12 @@ def test_the_forward_rescales_lazily_and_exactly(heads, rank, dtype, monkeypatch
     out, lse = sparse_forward(q, latent, tokens, 1.0)
     ref_out, ref_lse = _exact_forward(q, latent, tokens)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert rel_err(out, ref_out) <= tol and rel_err(lse, ref_lse) <= 1e-5, (
-        rel_err(out, ref_out),
-        rel_err(lse, ref_lse),
-    )
+    errors = rel_err(out, ref_out), rel_err(lse, ref_lse)
+    assert errors[0] <= tol and errors[1] <= 1e-5, errors
 
-    monkeypatch.setattr(
-        kernels, "RESCALE_LOG2", kernels.tl.constexpr(1e30)
-    )  # the interpreter reads it per call
-    with (
-        torch.no_grad(),
-        pytest.warns(RuntimeWarning),
-    ):  # numpy's overflow, where the kernel's exp2 reaches inf
+    # the interpreter reads RESCALE_LOG2 per call; numpy warns of the overflow where the kernel's exp2 reaches inf
+    monkeypatch.setattr(kernels, "RESCALE_LOG2", kernels.tl.constexpr(1e30))
+    with torch.no_grad(), pytest.warns(RuntimeWarning):
         broken, _ = sparse_forward(q, latent, tokens, 1.0)
     assert not torch.isfinite(broken).all()
 
@@ -440,10 +433,8 @@ def test_bf16_operands_keep_their_slot_gradients_and_ds_in_bf16(monkeypatch):
     monkeypatch.setattr(dsa_workspace, "buffer_dtype", lambda dtype: torch.float32)
     wide = _grads(lambda *a: sparse_attention_triton(*a, 0.2), *low)
     assert torch.equal(wide[1], got[1])
-    assert rel_err(got[2], ref[2]) <= min(2e-2, 2 * rel_err(wide[2], ref[2])), (
-        rel_err(got[2], ref[2]),
-        rel_err(wide[2], ref[2]),
-    )
+    errors = rel_err(got[2], ref[2]), rel_err(wide[2], ref[2])
+    assert errors[0] <= min(2e-2, 2 * errors[1]), errors
     assert dsa_workspace.chunk_rows(width, rank, heads, 1 << 20, torch.bfloat16) == rows // 2
 
 
