@@ -12,12 +12,14 @@ the top K = topk / kpool of its visible complete pools by a random score, plus i
 2. per `--tokens` (default 16384 32768): forward and backward time of the kernel (CUDA events, median of 3), its
    achieved TFLOP/s (useful FLOPs: forward 4·L·W·H·R, backward 2.5× that), peak memory of forward + backward;
    beside it dense causal SDPA (flash, per-head q, k, v of 256 dims: dense attention's best case) on the same
-   tokens and heads, its time and peak memory.
+   tokens and heads, its time and peak memory; and the backward's atomic alternative (`latent_grad="atomic"`:
+   fp32 reductions into d_latent instead of the sorted buffer, not bitwise reproducible), its time and peak
+   memory (`atomic_vs_sorted`: how much faster it is; the issue allows it as an option only if that pays).
 
     python3 benchmarks/dsa_kernel.py [--device cuda] [--tokens 16384 32768] [--kpool 16] [--small]
 
 `--small` (the CPU dry run, Triton's interpreter): 4 heads, R 32, topk 16, 256 tokens. Last line:
-`dsa_kernel fwd_tflops=… bwd_tflops=… speedup_vs_dense_at_<L>k=… max_err_fp32=…`. JSON:
+`dsa_kernel fwd_tflops=… bwd_tflops=… speedup_vs_dense_at_<L>k=… atomic_vs_sorted=… max_err_fp32=…`. JSON:
 benchmarks/results/dsa_kernel_<device>.json.
 """
 
@@ -131,6 +133,13 @@ def check(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         }
         again = run("triton", dtype)
         result[name]["deterministic"] = all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
+    # the backward's atomic alternative in bf16: d_latent vs the fp32 reference (the sorted path's is above)
+    from glm53_ds.layers.sparse_attention_triton import sparse_backward, sparse_forward
+
+    low = q.bfloat16(), c.bfloat16()
+    out, lse = sparse_forward(*low, tokens, scaling)
+    _, d_latent = sparse_backward(*low, tokens, out, lse, grad.bfloat16(), scaling, latent_grad="atomic")
+    result["bf16_atomic"] = {"d_latent": rel(d_latent, ref[2])}
     return result
 
 
@@ -150,16 +159,18 @@ def speed(args: argparse.Namespace, device: torch.device, length: int) -> dict[s
     def forward() -> None:
         state["out"], state["lse"] = sparse_forward(q, c, tokens, scaling)
 
-    def backward() -> None:
-        sparse_backward(q, c, tokens, state["out"], state["lse"], grad, scaling)
+    def backward(latent_grad: str = "sorted") -> None:
+        sparse_backward(q, c, tokens, state["out"], state["lse"], grad, scaling, latent_grad=latent_grad)
 
-    def both() -> None:
+    def both(latent_grad: str = "sorted") -> None:
         forward()
-        backward()
+        backward(latent_grad)
 
     fwd_s = cuda_time(forward, device)
     bwd_s = cuda_time(backward, device)
     peak = peak_bytes(both, device)
+    atomic_s = cuda_time(lambda: backward("atomic"), device)
+    atomic_peak = peak_bytes(lambda: both("atomic"), device)
     flops_fwd = 4.0 * length * width * args.heads * args.rank
     row: dict[str, Any] = dict(tokens=length, width=width, fwd_ms=fwd_s * 1e3, bwd_ms=bwd_s * 1e3,
                                fwd_tflops=flops_fwd / fwd_s / 1e12, bwd_tflops=2.5 * flops_fwd / bwd_s / 1e12,
@@ -181,7 +192,10 @@ def speed(args: argparse.Namespace, device: torch.device, length: int) -> dict[s
     dense_s = cuda_time(dense, device)
     dense_peak = peak_bytes(dense, device)
     row.update(dense_fwd_bwd_ms=dense_s * 1e3, speedup_vs_dense=dense_s / (fwd_s + bwd_s),
-               dense_peak_gib=None if dense_peak is None else dense_peak / 2**30)  # fmt: skip
+               dense_peak_gib=None if dense_peak is None else dense_peak / 2**30,
+               bwd_atomic_ms=atomic_s * 1e3, bwd_atomic_tflops=2.5 * flops_fwd / atomic_s / 1e12,
+               atomic_vs_sorted=bwd_s / atomic_s, speedup_vs_dense_atomic=dense_s / (fwd_s + atomic_s),
+               peak_atomic_gib=None if atomic_peak is None else atomic_peak / 2**30)  # fmt: skip
     return row
 
 
@@ -209,21 +223,27 @@ def model(length: int, heads: int, rank: int, width: int, dq: int) -> list[dict[
     # tensor cores issue 3 products' work for its 2. Below 64 heads (Ampere-style MMAs, warps along the slots) and
     # in the backward, each product is issued once.
     score_copies = 2 if heads >= 64 else 1
-    kernels = [  # name, useful FLOPs, issued FLOPs, bytes gathered, buffered, other
-        ("forward", 2 * product, (score_copies + 1) * product, gather, 0, 2 * heads_io),
-        ("bwd slot gradients (4 products)", 4 * product, 4 * product, gather, g + ds, 2 * heads_io),
-        ("bwd dq (1 product)", product, product, gather, ds, heads_io),
-        ("bwd segment sum", w_eff * rank, w_eff * rank, 0, g, 0),
+    # The atomic alternative's fp32 reductions into d_latent: 4 B per slot and latent column, counted like any
+    # other byte at HBM bandwidth, which makes them cost what the sorted path's buffer write and read back cost
+    # (2 + 2 B): where they run at L2 speed (d_latent [L, R] fp32 fits the 50 MB L2 to ~25k tokens) is what only a
+    # measurement shows.
+    atomic_other = 2 * heads_io + w_eff * rank * 4  # q and dO read, then the reductions
+    kernels = [  # path (sparse: both backwards), name, useful FLOPs, issued FLOPs, bytes gathered, buffered, other
+        ("sparse", "forward", 2 * product, (score_copies + 1) * product, gather, 0, 2 * heads_io),
+        ("sorted", "bwd slot gradients (4 products)", 4 * product, 4 * product, gather, g + ds, 2 * heads_io),
+        ("sparse", "bwd dq (1 product)", product, product, gather, ds, heads_io),
+        ("sorted", "bwd segment sum", w_eff * rank, w_eff * rank, 0, g, 0),
+        ("atomic", "bwd slot gradients, atomic", 4 * product, 4 * product, gather, ds, atomic_other),
     ]
     # dense causal flash SDPA at the same heads, per-head q, k, v of dq dims: forward 4 h (L/2) dq per query
     dense = 4 * heads * (length / 2) * dq
-    kernels.append(("dense causal SDPA fwd+bwd", 3.5 * dense, 3.5 * dense, 0, 0, 4 * heads * dq * 2))
+    kernels.append(("dense", "dense causal SDPA fwd+bwd", 3.5 * dense, 3.5 * dense, 0, 0, 4 * heads * dq * 2))
     rows = []
-    for name, flops, issued, gathered, buffered, other in kernels:
+    for path, name, flops, issued, gathered, buffered, other in kernels:
         moved = gathered + buffered + other
         seconds = max(issued / (H200_TFLOPS * 1e12), moved / (H200_TBPS * 1e12)) * length
         l2_seconds = max(issued / (H200_TFLOPS * 1e12), (moved - gathered) / (H200_TBPS * 1e12)) * length
-        rows.append(dict(kernel=name, tokens=length, mflop_per_query=flops / 1e6, issued_vs_useful=issued / flops,
+        rows.append(dict(kernel=name, path=path, tokens=length, mflop_per_query=flops / 1e6, issued_vs_useful=issued / flops,
                          gathered_MB=gathered / 1e6, buffered_MB=buffered / 1e6,
                          flop_per_byte=flops / moved if moved else float("inf"), roofline_ms=seconds * 1e3,
                          roofline_tflops=flops * length / seconds / 1e12, gathers_in_l2_ms=l2_seconds * 1e3))  # fmt: skip
@@ -256,20 +276,25 @@ def main() -> None:
     print_table(predicted, list(predicted[0]))
     for length in sorted({r["tokens"] for r in predicted}):
         at = [r for r in predicted if r["tokens"] == length]
-        dense = next(r["roofline_ms"] for r in at if r["kernel"].startswith("dense"))
-        hbm = sum(r["roofline_ms"] for r in at if not r["kernel"].startswith("dense"))
-        l2 = sum(r["gathers_in_l2_ms"] for r in at if not r["kernel"].startswith("dense"))
+        dense = next(r["roofline_ms"] for r in at if r["path"] == "dense")
+        hbm = sum(r["roofline_ms"] for r in at if r["path"] in ("sparse", "sorted"))
+        l2 = sum(r["gathers_in_l2_ms"] for r in at if r["path"] in ("sparse", "sorted"))
         buffer = next(r["roofline_ms"] for r in at if r["kernel"] == "bwd segment sum")
         print(f"predicted at {length} tokens: sparse fwd+bwd {hbm:.1f} ms (gathers from HBM) to {l2:.1f} ms (from L2), "
               f"of which {buffer:.1f} ms reads the slot gradients back; dense causal SDPA {dense:.1f} ms: "
               f"{dense / hbm:.2f}x to {dense / l2:.2f}x at the roofline")  # fmt: skip
+        hbm = sum(r["roofline_ms"] for r in at if r["path"] in ("sparse", "atomic"))
+        l2 = sum(r["gathers_in_l2_ms"] for r in at if r["path"] in ("sparse", "atomic"))
+        print(f"  with the atomic backward: {hbm:.1f} to {l2:.1f} ms, {dense / hbm:.2f}x to {dense / l2:.2f}x (its "
+              f"reductions counted at HBM bandwidth; at L2 speed they would cost less)")  # fmt: skip
     correctness = check(args, device)
     print("correctness vs the torch reference:", correctness)
     rows = [speed(args, device, length) for length in args.tokens]
     for row in rows:  # the measurement beside the model's roofline of the same kernels
         by = {r["kernel"]: r for r in predicted if r["tokens"] == row["tokens"]}
         row["fwd_vs_roofline"] = by["forward"]["roofline_ms"] / row["fwd_ms"]
-        bwd_model = sum(by[k]["roofline_ms"] for k in by if k.startswith("bwd"))
+        backward = [r for r in by.values() if r["kernel"].startswith("bwd") and r["path"] != "atomic"]
+        bwd_model = sum(r["roofline_ms"] for r in backward)
         row["bwd_vs_roofline"] = bwd_model / row["bwd_ms"]
     print_table(rows, list(rows[0]))
     path = write_results(
@@ -282,7 +307,8 @@ def main() -> None:
     worst = max(correctness["fp32"][k] for k in ("out", "dq", "d_latent"))
     print(
         f"dsa_kernel fwd_tflops={last['fwd_tflops']:.1f} bwd_tflops={last['bwd_tflops']:.1f} "
-        f"speedup_vs_dense_at_{last['tokens'] // 1024}k={last['speedup_vs_dense']:.2f} max_err_fp32={worst:.1e} "
+        f"speedup_vs_dense_at_{last['tokens'] // 1024}k={last['speedup_vs_dense']:.2f} "
+        f"atomic_vs_sorted={last['atomic_vs_sorted']:.2f} max_err_fp32={worst:.1e} "
         f"deterministic={correctness['bf16']['deterministic'] and correctness['fp32']['deterministic']}"
     )
 

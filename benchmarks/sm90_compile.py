@@ -101,6 +101,9 @@ class KernelReport:
     # wgmma products every warpgroup computes whole (from the Triton IR: `replicated_products`)
     replicated: list[str] | None = None
     heads: int | None = None  # the DSA kernels' heads per rank (None: not a DSA kernel)
+    # the PTX's atomic read-modify-writes, by form ("red.global.gpu.relaxed.add.v4.f32"): a float one makes a
+    # kernel's sums depend on the order its programs run in
+    reductions: list[str] | None = None
 
     @property
     def spills(self) -> bool:
@@ -186,6 +189,10 @@ def replicated_products(ttgir: str) -> list[str]:
     return out
 
 
+def reductions(ptx: str) -> list[str]:
+    return sorted(set(re.findall(r"\b((?:red|atom)\.[a-z0-9_.]+)", ptx)))
+
+
 def _mma(ptx: str) -> str:
     return "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none"
 
@@ -206,7 +213,9 @@ class _CompileOnly:
             kernel = record._run(fn, *args, grid=grid, warmup=True, **kwargs)
             if id(kernel) not in record._seen:
                 record._seen.add(id(kernel))
-                record.compiled.append((fn.fn.__name__, kernel, time.perf_counter() - started))
+                # a variant by its constexpr
+                name = fn.fn.__name__ + (":atomic" if kwargs.get("ATOMIC") else "")
+                record.compiled.append((name, kernel, time.perf_counter() - started))
             return kernel
 
         JITFunction.run = run  # type: ignore[method-assign]
@@ -216,9 +225,10 @@ class _CompileOnly:
         JITFunction.run = self._run  # type: ignore[method-assign]
 
 
-def _dsa(dtype: torch.dtype, tokens: int, heads: int = HEADS) -> None:
+def _dsa(dtype: torch.dtype, tokens: int, heads: int = HEADS, latent_grad: str = "sorted") -> None:
     """The DSA sparse-attention kernels as the model calls them: q_lat as `absorb_query` makes it (a transposed
-    view), the latent [b, L, R], the selection [b, L, W] int32."""
+    view), the latent [b, L, R], the selection [b, L, W] int32. `latent_grad="atomic"`: the backward's measured
+    alternative (`sparse_backward`), whose slot kernel reports as `bwd_slots_kernel:atomic`."""
     from glm53_ds.layers import sparse_attention_triton as kernels
 
     g = torch.Generator().manual_seed(0)
@@ -226,7 +236,8 @@ def _dsa(dtype: torch.dtype, tokens: int, heads: int = HEADS) -> None:
     latent = torch.randn(1, tokens, LATENT, generator=g).to(dtype)
     selection = torch.randint(0, tokens, (1, tokens, SLOTS), generator=g, dtype=torch.int32)
     out, lse = kernels.sparse_forward(q_lat, latent, selection, LATENT**-0.5)
-    kernels.sparse_backward(q_lat, latent, selection, out, lse, torch.randn_like(out), LATENT**-0.5)
+    grad = torch.randn_like(out)
+    kernels.sparse_backward(q_lat, latent, selection, out, lse, grad, LATENT**-0.5, latent_grad=latent_grad)
 
 
 def _hc_post(dtype: torch.dtype, tokens: int) -> None:
@@ -242,7 +253,8 @@ def _hc_post(dtype: torch.dtype, tokens: int) -> None:
 
 
 CALLERS = {"dsa": _dsa, "hc_post": _hc_post}
-_DSA_KERNELS = {"_fwd_kernel", "_bwd_slots_kernel", "_bwd_dq_kernel"}  # their tiles follow the heads
+# their tiles follow the heads
+_DSA_KERNELS = {"_fwd_kernel", "_bwd_slots_kernel", "_bwd_dq_kernel", "_bwd_slots_kernel:atomic"}
 
 
 @triton.jit
@@ -263,7 +275,8 @@ def _report(name: str, dtype: str, kernel: object, seconds: float) -> KernelRepo
     code = sass(cubin)
     return KernelReport(name.lstrip("_"), dtype, registers, stack, shared, warps, occupancy(registers, shared, warps),
                         _mma(kernel.asm["ptx"]), round(seconds, 2), loop_spills(code), wgmma_shapes(code),
-                        replicated_products(kernel.asm["ttgir"]))  # type: ignore[attr-defined]  # fmt: skip
+                        replicated_products(kernel.asm["ttgir"]), None,
+                        reductions(kernel.asm["ptx"]))  # type: ignore[attr-defined]  # fmt: skip
 
 
 def control() -> KernelReport:
@@ -282,6 +295,9 @@ def compile_all(dtypes: tuple[str, ...] = ("bf16", "fp32"), tokens: int = 256) -
     reports: list[KernelReport] = []
     runs = [(dtype, CALLERS.values(), HEADS) for dtype in dtypes]
     runs += [("bf16", [functools.partial(_dsa, heads=h)], h) for h in SP_HEADS if "bf16" in dtypes]
+    # the atomic latent gradient: its slot kernel (its other kernels are the sorted path's, again)
+    if "bf16" in dtypes:
+        runs.append(("bf16", [functools.partial(_dsa, latent_grad="atomic")], HEADS))
     for dtype, calls, heads in runs:
         with _CompileOnly() as compiled:
             for call in calls:
@@ -331,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r.shared_bytes / 1024:>10.1f}{r.warps:>6}{r.occupancy:>10.0%}  {r.mma}"
               + (" (" + ", ".join(f"{k}: {v}" for k, v in (r.wgmma_shapes or {}).items()) + ")" if r.wgmma_shapes else "")
               + (f"; on every warpgroup: {', '.join(r.replicated)}" if r.replicated else "")
+              + (f"; atomics: {', '.join(r.reductions)}" if r.reductions else "")
               for r in reports]  # fmt: skip
     lines += [f"problem: {problem}" for problem in found]
     if args.json:

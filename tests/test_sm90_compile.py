@@ -36,7 +36,8 @@ def compiled():
 def test_every_kernel_compiles_for_sm90_within_its_limits(compiled):
     code, result = compiled
     kernels = result["kernels"]
-    assert {(k["kernel"], k["dtype"]) for k in kernels} == {(k, d) for k in KERNELS for d in ("bf16", "fp32")}
+    expected = {(k, d) for k in KERNELS for d in ("bf16", "fp32")} | {("bwd_slots_kernel:atomic", "bf16")}
+    assert {(k["kernel"], k["dtype"]) for k in kernels} == expected
     assert result["problems"] == [] and code == 0, result["problems"]
     assert all(k["loop_spills"] == 0 and k["stack_bytes"] <= 128 for k in kernels if k["dtype"] == "bf16")
     # the heads a rank keeps under sequence parallelism 2, 4, 8 compile within the same limits
@@ -66,6 +67,17 @@ def test_no_product_is_computed_twice_but_the_forward_scores(compiled):
     assert bf16["bwd_slots_kernel"]["replicated"] == [] and bf16["bwd_dq_kernel"]["replicated"] == []
     assert bf16["fwd_kernel"]["replicated"] == ["[64 x 32] x2"]
     assert set(bf16["fwd_kernel"]["wgmma_shapes"]) == {"64x16x16", "64x256x16"}
+
+
+def test_no_kernel_the_model_runs_sums_floats_with_atomics(compiled):
+    """Determinism by construction: no kernel of the model's path has a floating-point atomic in its PTX (the
+    backward sums each key's slot gradients in one fixed order). The control is the backward's measured
+    alternative (`sparse_backward(latent_grad="atomic")`, for benchmarks/dsa_kernel.py): its slot kernel adds into
+    d_latent with relaxed fp32 reductions, 16 bytes each (`red...add.v4.f32`), and the check sees them."""
+    _, result = compiled
+    float_atomics = [(k["kernel"], k["dtype"], k["heads"], r) for k in result["kernels"] for r in k["reductions"]
+                     if r.endswith(("f32", "f16", "bf16", "f64"))]  # fmt: skip
+    assert float_atomics == [("bwd_slots_kernel:atomic", "bf16", 64, "red.global.gpu.relaxed.add.v4.f32")]
 
 
 def test_a_spill_would_be_seen_control(compiled):

@@ -25,11 +25,12 @@ def chunk_rows(
     heads: int,
     slot_grad_bytes: int = SLOT_GRAD_BYTES,
     dtype: torch.dtype = torch.float32,
+    slot_gradients: bool = True,
 ) -> int:
-    """Query rows per chunk of the fused backward: their slot gradients [rows, W, R] and ds [rows, H, W] (in
-    `buffer_dtype(dtype)`) fit `slot_grad_bytes`."""
+    """Query rows per chunk of the fused backward: their slot gradients [rows, W, R] (unless `slot_gradients` is
+    False: the atomic variant has none) and ds [rows, H, W] (in `buffer_dtype(dtype)`) fit `slot_grad_bytes`."""
     itemsize = buffer_dtype(dtype).itemsize
-    return max(1, slot_grad_bytes // max(1, width * (rank + heads) * itemsize))
+    return max(1, slot_grad_bytes // max(1, width * (rank * slot_gradients + heads) * itemsize))
 
 
 def backward_workspace(

@@ -136,13 +136,13 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_slots_kernel(
-    q_ptr, c_ptr, t_ptr, do_ptr, lse_ptr, delta_ptr, g_ptr, ds_ptr,
+    q_ptr, c_ptr, t_ptr, do_ptr, lse_ptr, delta_ptr, g_ptr, ds_ptr, dc_ptr,
     row0, L, W, H, R, scaling,
     s_qb, s_ql, s_qh, s_qr,
     s_cb, s_cl, s_cr,
     s_tb, s_tl, s_tw,
     BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, SUB_R: tl.constexpr,
-    PAIRED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    PAIRED: tl.constexpr, ATOMIC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Query row0 + program 0, slots program 1 (a block of BLOCK_W): four matrix products, each over SUB_R columns
     of the latent at a time (small tiles: the [BLOCK_W x R] gather never sits whole in shared memory):
@@ -204,8 +204,12 @@ def _bwd_slots_kernel(
                          mask=mask_h[:, None] & mask_r[None, :], other=0.0)  # fmt: skip
             g = _dot(tl.trans(ds).to(q.dtype), q, UPCAST, PRECISION)  # 3
             g += _dot(tl.trans(p).to(do.dtype), do, UPCAST, PRECISION)  # 4
-        tl.store(g_ptr + local * W * R + offs_w[:, None] * R + offs_r[None, :], g.to(g_ptr.dtype.element_ty),
-                 mask=mask_w[:, None] & mask_r[None, :])  # fmt: skip
+        if ATOMIC:  # the measured alternative: fp32 reductions straight into d_latent, in no fixed order
+            tl.atomic_add(dc_ptr + (bi * L + tok)[:, None] * R + offs_r[None, :], g,
+                          mask=valid[:, None] & mask_r[None, :], sem="relaxed")  # fmt: skip
+        else:
+            tl.store(g_ptr + local * W * R + offs_w[:, None] * R + offs_r[None, :], g.to(g_ptr.dtype.element_ty),
+                     mask=mask_w[:, None] & mask_r[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -347,8 +351,16 @@ def sparse_backward(
     grad_out: torch.Tensor,
     scaling: float,
     slot_grad_bytes: int = SLOT_GRAD_BYTES,
+    latent_grad: str = "sorted",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dq_lat [b, L, h, R], d_latent [b, L, R]), deterministic."""
+    """(dq_lat [b, L, h, R], d_latent [b, L, R]). `latent_grad`: "sorted" (the default and the only one the model
+    uses: deterministic, the slot gradients buffered and summed per key in a fixed order) or "atomic" (the slot
+    kernel adds its fp32 slot gradients into d_latent with atomics: no buffer, no sort, no segment sum, and not
+    bitwise reproducible). "atomic" exists for `benchmarks/dsa_kernel.py` to measure against "sorted" on a GPU: the
+    issue allows it as an option only where a measurement shows it pays."""
+    if latent_grad not in ("sorted", "atomic"):
+        raise ValueError(f"sparse attention kernel backward: latent_grad {latent_grad!r}: sorted or atomic")
+    atomic = latent_grad == "atomic"
     b, length, heads, rank = q_lat.shape
     width = tokens.shape[-1]
     if heads > MAX_HEADS:
@@ -367,25 +379,27 @@ def sparse_backward(
         return dq.zero_(), d_latent.view(b, length, rank).to(latent.dtype)
     strides = (*_strides(latent), *_strides(tokens))
     slot_w, sub_r = _slot_blocks(rank, q_lat.dtype)
-    chunk = chunk_rows(width, rank, heads, slot_grad_bytes, q_lat.dtype)
+    chunk = chunk_rows(width, rank, heads, slot_grad_bytes, q_lat.dtype, slot_gradients=not atomic)
     buffer = buffer_dtype(q_lat.dtype)
     seg_r = min(block_r, 128)
     empty = n_rows  # the key of an empty slot: sorted last, summed nowhere
     flat = tokens.reshape(n_rows, width)
     for row0 in range(0, n_rows, chunk):
         rows = min(chunk, n_rows - row0)
-        g = torch.empty(rows, width, rank, dtype=buffer, device=latent.device)
+        g = torch.empty(0 if atomic else rows, width, rank, dtype=buffer, device=latent.device)
         ds = torch.empty(rows, heads, width, dtype=buffer, device=latent.device)
         _bwd_slots_kernel[(rows, triton.cdiv(width, slot_w))](
-            q_lat, latent, tokens, grad_out, lse, delta, g, ds, row0, length, width, heads, rank, scaling,
+            q_lat, latent, tokens, grad_out, lse, delta, g, ds, d_latent, row0, length, width, heads, rank, scaling,
             *_strides(q_lat), *strides, BLOCK_H=all_heads, BLOCK_W=slot_w, BLOCK_R=block_r, SUB_R=sub_r,
-            PAIRED=q_lat.dtype != torch.float32, UPCAST=upcast, PRECISION=precision, num_warps=8,
+            PAIRED=q_lat.dtype != torch.float32, ATOMIC=atomic, UPCAST=upcast, PRECISION=precision, num_warps=8,
         )  # fmt: skip
         _bwd_dq_kernel[(rows, triton.cdiv(heads, block_h))](
             latent, tokens, ds, dq, row0, length, width, heads, rank, *strides,
             BLOCK_H=block_h, BLOCK_W=block_w, BLOCK_R=block_r, EVEN_R=rank == block_r, UPCAST=upcast,
             PRECISION=precision, num_warps=warps,
         )  # fmt: skip
+        if atomic:
+            continue
         # the chunk's references by the key token they read: int32, this chunk's rows only
         first = torch.arange(row0, row0 + rows, device=tokens.device, dtype=torch.int32) // length * length
         part = flat[row0 : row0 + rows]

@@ -236,6 +236,33 @@ def test_kernel_at_the_released_latent_width():
         assert rel_err(a, r) <= 1e-5, (what, rel_err(a, r))
 
 
+def test_the_atomic_latent_gradient_matches_the_sorted_one():
+    """`sparse_backward(latent_grad="atomic")`, the alternative benchmarks/dsa_kernel.py measures on a GPU (the slot
+    kernel adds its fp32 slot gradients into d_latent with atomics; no buffer, sort or segment sum): dq bitwise the
+    sorted path's, d_latent within 1e-6 of it in fp32 and within bf16's 2e-2 of the fp32 reference in bf16 (its
+    slot gradients are not rounded to bf16 first: measured 4.7e-3 vs the sorted path's 8.3e-3), over two sequences
+    (a wrong key offset would be caught) and chunks of 7 query rows sized without the slot-gradient buffer. An
+    unknown latent_grad is refused by name."""
+    from glm53_ds.layers import dsa_workspace
+
+    q, c, tokens = _random_case(length=20, width=10)
+    ref = _grads(lambda *a: sparse_reference(*a, 0.3), q, c, tokens)
+    ds_of_seven_rows = 7 * 10 * q.shape[-2] * 4  # fp32 ds [H, W]: the atomic path's only chunk buffer
+    assert dsa_workspace.chunk_rows(10, q.shape[-1], q.shape[-2], ds_of_seven_rows, slot_gradients=False) == 7
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
+        low_q, low_c = q.to(dtype), c.to(dtype)
+        out, lse = sparse_forward(low_q, low_c, tokens, 0.3)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+        dq, dc = sparse_backward(low_q, low_c, tokens, out, lse, grad, 0.3)
+        dq_atomic, dc_atomic = sparse_backward(
+            low_q, low_c, tokens, out, lse, grad, 0.3, slot_grad_bytes=ds_of_seven_rows, latent_grad="atomic"
+        )
+        assert torch.equal(dq_atomic, dq)
+        assert rel_err(dc_atomic, dc if dtype == torch.float32 else ref[2]) <= tol, dtype
+    with pytest.raises(ValueError, match="latent_grad 'fast'"):
+        sparse_backward(q, c, tokens, out.float(), lse, grad.float(), 0.3, latent_grad="fast")
+
+
 def _indexer_case(length: int):
     cfg = glm53_ds.Glm53Config.from_text_dict(dict(BASE_TEXT, index_kpool=4, index_topk=16))
     torch.manual_seed(0)
