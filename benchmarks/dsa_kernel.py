@@ -216,24 +216,26 @@ def model(length: int, heads: int, rank: int, width: int, dq: int) -> list[dict[
     )
     gather = w_eff * rank * 2  # the selected latent rows, bf16
     heads_io = heads * rank * 2  # one [h, R] bf16 tile (q, dO, out or dq)
-    g, ds = w_eff * rank * 2, heads * w_eff * 2  # the backward's buffers per query (bf16: dsa_workspace)
+    g = w_eff * rank * 2  # the backward's buffer per query: each slot's latent gradient (bf16: dsa_workspace)
     product = 2 * heads * w_eff * rank  # one [h x W x R] matrix product
     # The forward's scores q c^T at 64 heads are computed whole on both warpgroups (Triton's layout for a product
     # feeding a product; `benchmarks/sm90_compile.py` reports it, tests/test_sm90_compile.py asserts it): the
     # tensor cores issue 3 products' work for its 2. Below 64 heads (Ampere-style MMAs, warps along the slots) and
-    # in the backward, each product is issued once.
+    # in the backward (its products have 128 or 512 rows), each product is issued once. The backward pads 17 to 32
+    # heads to its 64-head tile: twice the issued work there.
     score_copies = 2 if heads >= 64 else 1
-    # The atomic alternative's fp32 reductions into d_latent: 4 B per slot and latent column, counted like any
-    # other byte at HBM bandwidth, which makes them cost what the sorted path's buffer write and read back cost
-    # (2 + 2 B): where they run at L2 speed (d_latent [L, R] fp32 fits the 50 MB L2 to ~25k tokens) is what only a
-    # measurement shows.
-    atomic_other = 2 * heads_io + w_eff * rank * 4  # q and dO read, then the reductions
+    padding = 64 / heads if 16 < heads < 64 else 1
+    # The backward, one fused kernel per query (bf16): the five products (s and dp as one, dq, the slot gradients
+    # as one), each latent row gathered once, q and dO read and dq written once, the slot gradients written; then
+    # the segment sum reads them back. The atomic alternative's fp32 reductions into d_latent instead: 4 B per
+    # slot and latent column, counted like any other byte at HBM bandwidth, which makes them cost what the sorted
+    # path's buffer write and read back cost (2 + 2 B): where they run at L2 speed (d_latent [L, R] fp32 fits the
+    # 50 MB L2 to ~25k tokens) is what only a measurement shows.
     kernels = [  # path (sparse: both backwards), name, useful FLOPs, issued FLOPs, bytes gathered, buffered, other
         ("sparse", "forward", 2 * product, (score_copies + 1) * product, gather, 0, 2 * heads_io),
-        ("sorted", "bwd slot gradients (4 products)", 4 * product, 4 * product, gather, g + ds, 2 * heads_io),
-        ("sparse", "bwd dq (1 product)", product, product, gather, ds, heads_io),
+        ("sorted", "bwd fused (5 products)", 5 * product, 5 * product * padding, gather, g, 3 * heads_io),
         ("sorted", "bwd segment sum", w_eff * rank, w_eff * rank, 0, g, 0),
-        ("atomic", "bwd slot gradients, atomic", 4 * product, 4 * product, gather, ds, atomic_other),
+        ("atomic", "bwd fused, atomic", 5 * product, 5 * product * padding, gather, 0, 3 * heads_io + 2 * g),
     ]
     # dense causal flash SDPA at the same heads, per-head q, k, v of dq dims: forward 4 h (L/2) dq per query
     dense = 4 * heads * (length / 2) * dq

@@ -254,7 +254,13 @@ def _hc_post(dtype: torch.dtype, tokens: int) -> None:
 
 CALLERS = {"dsa": _dsa, "hc_post": _hc_post}
 # their tiles follow the heads
-_DSA_KERNELS = {"_fwd_kernel", "_bwd_slots_kernel", "_bwd_dq_kernel", "_bwd_slots_kernel:atomic"}
+_DSA_KERNELS = {
+    "_fwd_kernel",
+    "_bwd_query_kernel",
+    "_bwd_slots_kernel",
+    "_bwd_dq_kernel",
+    "_bwd_query_kernel:atomic",
+}
 
 
 @triton.jit

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import torch
 
-# The fused backward's per-slot latent gradients [rows, W, R] and ds [rows, H, W] are made for a chunk of query rows at
-# a time, under this many bytes (`sparse_attention_triton.sparse_backward`).
+# The fused backward's per-slot latent gradients [rows, W, R] (and in fp32 ds [rows, H, W]) are made for a chunk of
+# query rows at a time, under this many bytes (`sparse_attention_triton.sparse_backward`).
 SLOT_GRAD_BYTES = 1 << 30
 
 
 def buffer_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the backward's slot gradients and ds for operands of `dtype`: bf16 for bf16 / fp16 operands
-    (ds enters the dq product in that dtype anyway; each slot gradient, fp32 inside its product, is rounded once
-    before the fp32 sum over a key's references: the buffer's write and read back are the backward's largest
-    memory traffic, halved), fp32 for fp32."""
+    """The dtype of the backward's slot-gradient buffer for operands of `dtype`: bf16 for bf16 / fp16 operands
+    (each slot gradient, fp32 inside its product, is rounded once before the fp32 sum over a key's references:
+    the buffer's write and read back are the backward's largest memory traffic, halved), fp32 for fp32 (with
+    ds)."""
     return torch.float32 if dtype == torch.float32 else torch.bfloat16
 
 
@@ -28,19 +28,22 @@ def chunk_rows(
     slot_gradients: bool = True,
 ) -> int:
     """Query rows per chunk of the fused backward: their slot gradients [rows, W, R] (unless `slot_gradients` is
-    False: the atomic variant has none) and ds [rows, H, W] (in `buffer_dtype(dtype)`) fit `slot_grad_bytes`."""
+    False: the atomic variant has none) and, in fp32, ds [rows, H, W] (in `buffer_dtype(dtype)`) fit
+    `slot_grad_bytes`."""
     itemsize = buffer_dtype(dtype).itemsize
-    return max(1, slot_grad_bytes // max(1, width * (rank * slot_gradients + heads) * itemsize))
+    ds = heads if dtype == torch.float32 else 0  # bf16 / fp16: ds stays in the fused kernel's registers
+    return max(1, slot_grad_bytes // max(1, width * (rank * slot_gradients + ds) * itemsize))
 
 
 def backward_workspace(
     b: int, length: int, heads: int, rank: int, width: int, dtype: torch.dtype = torch.float32
 ) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """What the fused backward allocates besides its gradients, at most at once (for the planner's count): one
-    chunk's slot gradients and ds, the fp32 latent-gradient accumulator [b L, R], delta [b, L, h], and the chunk's
-    sort (int32 keys, int32 sorted keys, int64 order)."""
+    chunk's slot gradients (and ds, fp32 only), the fp32 latent-gradient accumulator [b L, R], delta [b, L, h],
+    and the chunk's sort (int32 keys, int32 sorted keys, int64 order)."""
     rows = min(b * length, chunk_rows(width, rank, heads, dtype=dtype))
     buffer = buffer_dtype(dtype)
-    return [((rows, width, rank), buffer), ((rows, heads, width), buffer),
+    ds = [((rows, heads, width), buffer)] if dtype == torch.float32 else []
+    return [((rows, width, rank), buffer), *ds,
             ((b * length, rank), torch.float32), ((b, length, heads), torch.float32),
             ((rows * width * 16,), torch.uint8)]  # fmt: skip

@@ -15,10 +15,14 @@ max by more than RESCALE_LOG2); o_lat and the natural-log LSE per head written o
 replaces such rows).
 
 Backward, deterministic (no floating-point atomics) and linear in L:
-  - `_bwd_slots_kernel`, one program per (query, block of slots), all heads: s = q c^T, dp = dO c^T, p recomputed
-    from the LSE, ds = p (dp - delta), and the slots' latent gradients g = ds^T q + p^T dO (one product over both:
-    [BLOCK_W, R], fp32 inside, written to the chunk's buffer [rows, W, R], bf16 for bf16 operands:
-    `dsa_workspace.buffer_dtype`); ds to the chunk's [rows, H, W] (same dtype); `_bwd_dq_kernel`: dq = ds c.
+  - bf16 / fp16, `_bwd_query_kernel`, one program per query, all heads, all slots, each latent row gathered once
+    for the five matrix products, computed as three: q and dO held as one tile with interleaved rows, qdo
+    [2h, R]; sd = qdo c^T (s and dp), p recomputed from the LSE, ds = p (dp - delta); dq += ds c (fp32 in
+    registers, stored once); the slots' latent gradients g^T = qdo^T [ds; p] ([R, BLOCK_W], fp32 inside) written
+    to the chunk's buffer [rows, W, R] in bf16 (`dsa_workspace.buffer_dtype`). ds never leaves the program.
+  - fp32 (IEEE dots on CUDA cores; [2h, R] in fp32 would not fit): `_bwd_slots_kernel`, one program per (query,
+    block of slots): s, dp, ds, g = ds^T q + p^T dO to the buffer, ds to the chunk's [rows, H, W];
+    `_bwd_dq_kernel`: dq = ds c.
   - per chunk: the chunk's slot references (int32 keys, the chunk's own [rows, W]) sorted stably by the key token
     they read, and `_segment_sum_kernel`, one program per block of `BLOCK_E` sorted references, adds each run of
     one key that starts in its block, in that order, `BLOCK_F` rows at a time, into d_latent. The programs a chunk
@@ -135,6 +139,68 @@ def _fwd_kernel(
 
 
 @triton.jit
+def _bwd_query_kernel(
+    q_ptr, c_ptr, t_ptr, do_ptr, lse_ptr, delta_ptr, g_ptr, dq_ptr, dc_ptr,
+    row0, L, W, H, R, scaling,
+    s_qb, s_ql, s_qh, s_qr,
+    s_cb, s_cl, s_cr,
+    s_tb, s_tl, s_tw,
+    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, EVEN_R: tl.constexpr,
+    ATOMIC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """bf16 / fp16: query row0 + program 0, all its heads and all its slots, BLOCK_W at a time; the five matrix
+    products of the backward as three. q and dO stay in one tile with their rows interleaved, qdo [2 BLOCK_H, R]
+    (row 2h head h's q, 2h + 1 its dO), loaded once:
+      sd = qdo c^T [2 BLOCK_H, BLOCK_W]: s = q c^T and dp = dO c^T together (128 rows at 64 heads: each warpgroup
+           computes its own 64, where a 64-row product feeding another is computed whole on both);
+      ds = scaling p (dp - delta), p recomputed from the LSE; dq += ds c (fp32 [BLOCK_H, R], stored once);
+      g^T = qdo^T [ds; p] [R, BLOCK_W]: the slots' latent gradients ds^T q + p^T dO in one product (fp32 sums,
+           stored in the dtype of the chunk's buffer [rows, W, R]; ATOMIC: added into d_latent instead).
+    Nothing else is buffered: ds never leaves registers. dO contiguous [b, L, H, R]; lse, delta [b, L, H]."""
+    local = tl.program_id(0).to(tl.int64)
+    row = row0 + local
+    bi, i = row // L, row % L
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    offs_k = tl.arange(0, 2 * BLOCK_H)
+    head_k, is_do = offs_k // 2, (offs_k % 2) == 1
+    qdo = tl.load(
+        tl.where(is_do[:, None], do_ptr + row * H * R + head_k[:, None] * R + offs_r[None, :],
+                 q_ptr + bi * s_qb + i * s_ql + head_k[:, None] * s_qh + offs_r[None, :] * s_qr),
+        mask=(head_k < H)[:, None] & mask_r[None, :], other=0.0,
+    )  # fmt: skip
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    lse = tl.load(lse_ptr + row * H + offs_h, mask=mask_h, other=float("-inf"))
+    delta = tl.load(delta_ptr + row * H + offs_h, mask=mask_h, other=0.0)
+    lse_safe = tl.where(lse == float("-inf"), float("inf"), lse)  # rows without slots: p = 0
+    dq = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+    for w0 in range(0, W, BLOCK_W):
+        offs_w = w0 + tl.arange(0, BLOCK_W)
+        valid, c = _load_slots(
+            t_ptr, c_ptr, bi, i, offs_w, W, offs_r, mask_r, s_tb, s_tl, s_tw, s_cb, s_cl, s_cr, EVEN_R
+        )  # [BLOCK_W], [BLOCK_W, BLOCK_R]: gathered once for every head and all five products
+        sd = _dot(qdo, tl.trans(c), UPCAST, PRECISION)  # [2 BLOCK_H, BLOCK_W]
+        s, dp = tl.split(tl.permute(tl.reshape(sd, [BLOCK_H, 2, BLOCK_W]), (0, 2, 1)))
+        p = tl.where(valid[None, :], tl.exp(s * scaling - lse_safe[:, None]), 0.0)  # [BLOCK_H, BLOCK_W]
+        ds = p * (dp - delta[:, None]) * scaling
+        dq += _dot(ds.to(c.dtype), c, UPCAST, PRECISION)
+        pair = tl.reshape(tl.permute(tl.join(ds, p), (0, 2, 1)), [2 * BLOCK_H, BLOCK_W])  # rows as in qdo
+        g_t = _dot(tl.trans(qdo), pair.to(qdo.dtype), UPCAST, PRECISION)  # [BLOCK_R, BLOCK_W]
+        if ATOMIC:  # the measured alternative: fp32 reductions straight into d_latent, in no fixed order
+            tok = tl.load(t_ptr + bi * s_tb + i * s_tl + offs_w * s_tw, mask=offs_w < W, other=-1).to(
+                tl.int64
+            )
+            tl.atomic_add(dc_ptr + (bi * L + tok)[None, :] * R + offs_r[:, None], g_t,
+                          mask=valid[None, :] & mask_r[:, None], sem="relaxed")  # fmt: skip
+        else:
+            tl.store(g_ptr + local * W * R + offs_w[None, :] * R + offs_r[:, None], g_t.to(g_ptr.dtype.element_ty),
+                     mask=(offs_w < W)[None, :] & mask_r[:, None])  # fmt: skip
+    tl.store(dq_ptr + row * H * R + offs_h[:, None] * R + offs_r[None, :], dq.to(dq_ptr.dtype.element_ty),
+             mask=mask_h[:, None] & mask_r[None, :])  # fmt: skip
+
+
+@triton.jit
 def _bwd_slots_kernel(
     q_ptr, c_ptr, t_ptr, do_ptr, lse_ptr, delta_ptr, g_ptr, ds_ptr, dc_ptr,
     row0, L, W, H, R, scaling,
@@ -142,13 +208,13 @@ def _bwd_slots_kernel(
     s_cb, s_cl, s_cr,
     s_tb, s_tl, s_tw,
     BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, SUB_R: tl.constexpr,
-    PAIRED: tl.constexpr, ATOMIC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Query row0 + program 0, slots program 1 (a block of BLOCK_W): four matrix products, each over SUB_R columns
-    of the latent at a time (small tiles: the [BLOCK_W x R] gather never sits whole in shared memory):
-    s = q c^T and dp = dO c^T [heads x slots], then ds = scaling p (dp - delta) and the slots' latent gradients
-    g = ds^T q + p^T dO [slots x R] (fp32 sums, stored in the dtype of the chunk's buffer [rows, W, R]); ds
-    [heads x slots] to the chunk's buffer [rows, H, W] for dq. dO contiguous [b, L, H, R]; lse, delta [b, L, H]."""
+    """fp32 (IEEE dots on CUDA cores: the fused kernel's [2 H, R] tile would not fit): query row0 + program 0,
+    slots program 1 (a block of BLOCK_W), all heads: four matrix products, each over SUB_R columns of the latent
+    at a time: s = q c^T and dp = dO c^T [heads x slots], then ds = scaling p (dp - delta) and the slots' latent
+    gradients g = ds^T q + p^T dO [slots x R] to the chunk's buffer [rows, W, R] (ATOMIC: into d_latent); ds
+    [heads x slots] to the chunk's buffer [rows, H, W] for `_bwd_dq_kernel`."""
     local = tl.program_id(0).to(tl.int64)
     row = row0 + local
     bi, i = row // L, row % L
@@ -169,46 +235,32 @@ def _bwd_slots_kernel(
                     mask=mask_h[:, None] & mask_r[None, :], other=0.0)  # fmt: skip
         do = tl.load(do_ptr + row * H * R + offs_h[:, None] * R + offs_r[None, :],
                      mask=mask_h[:, None] & mask_r[None, :], other=0.0)  # fmt: skip
-        s += _dot(q, tl.trans(c), UPCAST, PRECISION)  # 1
-        dp += _dot(do, tl.trans(c), UPCAST, PRECISION)  # 2
+        s += tl.dot(q, tl.trans(c), input_precision=PRECISION)  # 1
+        dp += tl.dot(do, tl.trans(c), input_precision=PRECISION)  # 2
     lse = tl.load(lse_ptr + row * H + offs_h, mask=mask_h, other=float("-inf"))
     delta = tl.load(delta_ptr + row * H + offs_h, mask=mask_h, other=0.0)
     lse_safe = tl.where(lse == float("-inf"), float("inf"), lse)  # rows without slots: p = 0
     p = tl.where(valid[None, :], tl.exp(s * scaling - lse_safe[:, None]), 0.0)  # [BLOCK_H, BLOCK_W]
     ds = p * (dp - delta[:, None]) * scaling
-    tl.store(ds_ptr + local * H * W + offs_h[:, None] * W + offs_w[None, :], ds.to(ds_ptr.dtype.element_ty),
-             mask=mask_h[:, None] & mask_w[None, :])  # fmt: skip
-    # bf16 / fp16 (PAIRED): g = ds^T q + p^T dO as one product over both, [BLOCK_W, 2 BLOCK_H] x [2 BLOCK_H, SUB_R]:
-    # column 2h of the left operand is head h's ds, 2h + 1 its p; row 2h of the right is head h's q, 2h + 1 its dO.
-    # Not one product accumulated into another: Triton lays a product that feeds a product with every warp along
-    # its 64 rows, so both warpgroups would compute it whole (see `_blocks`). fp32 (CUDA-core dots, no such layout;
-    # the paired operand would spill under Triton 3.6): two products.
-    if PAIRED:
-        pair = tl.reshape(tl.join(tl.trans(ds), tl.trans(p)), [BLOCK_W, 2 * BLOCK_H])
-        offs_k = tl.arange(0, 2 * BLOCK_H)
-        head_k, is_do = offs_k // 2, (offs_k % 2) == 1
+    tl.store(
+        ds_ptr + local * H * W + offs_h[:, None] * W + offs_w[None, :],
+        ds,
+        mask=mask_h[:, None] & mask_w[None, :],
+    )
     for r0 in range(0, BLOCK_R, SUB_R):
         offs_r = r0 + offs_s
         mask_r = offs_r < R
-        if PAIRED:
-            q_do = tl.load(
-                tl.where(is_do[:, None], do_ptr + row * H * R + head_k[:, None] * R + offs_r[None, :],
-                         q_ptr + bi * s_qb + i * s_ql + head_k[:, None] * s_qh + offs_r[None, :] * s_qr),
-                mask=(head_k < H)[:, None] & mask_r[None, :], other=0.0,
-            )  # fmt: skip
-            g = _dot(pair.to(q_do.dtype), q_do, UPCAST, PRECISION)  # 3, 4
-        else:
-            q = tl.load(q_ptr + bi * s_qb + i * s_ql + offs_h[:, None] * s_qh + offs_r[None, :] * s_qr,
-                        mask=mask_h[:, None] & mask_r[None, :], other=0.0)  # fmt: skip
-            do = tl.load(do_ptr + row * H * R + offs_h[:, None] * R + offs_r[None, :],
-                         mask=mask_h[:, None] & mask_r[None, :], other=0.0)  # fmt: skip
-            g = _dot(tl.trans(ds).to(q.dtype), q, UPCAST, PRECISION)  # 3
-            g += _dot(tl.trans(p).to(do.dtype), do, UPCAST, PRECISION)  # 4
-        if ATOMIC:  # the measured alternative: fp32 reductions straight into d_latent, in no fixed order
+        q = tl.load(q_ptr + bi * s_qb + i * s_ql + offs_h[:, None] * s_qh + offs_r[None, :] * s_qr,
+                    mask=mask_h[:, None] & mask_r[None, :], other=0.0)  # fmt: skip
+        do = tl.load(do_ptr + row * H * R + offs_h[:, None] * R + offs_r[None, :],
+                     mask=mask_h[:, None] & mask_r[None, :], other=0.0)  # fmt: skip
+        g = tl.dot(tl.trans(ds), q, input_precision=PRECISION)  # 3
+        g += tl.dot(tl.trans(p), do, input_precision=PRECISION)  # 4
+        if ATOMIC:
             tl.atomic_add(dc_ptr + (bi * L + tok)[:, None] * R + offs_r[None, :], g,
                           mask=valid[:, None] & mask_r[None, :], sem="relaxed")  # fmt: skip
         else:
-            tl.store(g_ptr + local * W * R + offs_w[:, None] * R + offs_r[None, :], g.to(g_ptr.dtype.element_ty),
+            tl.store(g_ptr + local * W * R + offs_w[:, None] * R + offs_r[None, :], g,
                      mask=mask_w[:, None] & mask_r[None, :])  # fmt: skip
 
 
@@ -221,9 +273,8 @@ def _bwd_dq_kernel(
     BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, EVEN_R: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Query row0 + program 0, heads program 1: dq [H, R] = ds c over its slots (the fifth product), the query's
-    heads in one tile (bf16: all of them, each latent row gathered once). dq contiguous [b, L, H, R]; ds the
-    chunk's [rows, H, W] fp32."""
+    """fp32: query row0 + program 0, heads program 1: dq [H, R] = ds c over its slots (the fifth product; bf16 /
+    fp16 compute it in `_bwd_query_kernel`). dq contiguous [b, L, H, R]; ds the chunk's [rows, H, W] fp32."""
     local = tl.program_id(0).to(tl.int64)
     row = row0 + local
     bi, i = row // L, row % L
@@ -293,17 +344,24 @@ def _blocks(heads: int, rank: int, dtype: torch.dtype) -> tuple[int, int, int, i
     return block_h, 32 if block_h * block_r >= 64 * 512 else 64, block_r, warps
 
 
-def _dq_slot_block(block_r: int, dtype: torch.dtype) -> int:
-    """BLOCK_W of the dq kernel (its product's K: one product per block, its N the latent, wide already): 16 in fp32
-    and at R 512 (32 spills inside its loop at 8 heads), else 32."""
-    return 16 if block_r >= 512 or dtype == torch.float32 else 32
+def _query_blocks(heads: int, rank: int, atomic: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_H, BLOCK_W, BLOCK_R, warps, stages) of the bf16 / fp16 backward (`_bwd_query_kernel`), chosen by
+    compiling for sm_90 at R 512 (`benchmarks/sm90_compile.py`): the largest slot block whose loop keeps the fp32
+    dq accumulator [BLOCK_H, R] and g^T [R, BLOCK_W] in registers without a spill. 64 heads: qdo [128, R], the M
+    of two warpgroups; 32 slots with 2 pipeline stages (3 stages spill 6 loads / stores per iteration; the atomic
+    variant's scattered addresses need 16 slots). 17 to 32 heads are padded to the 64-head tile: at 32 rows the
+    score product is computed on both warpgroups and 16 slots still spill (25 per iteration); the padding costs
+    tensor work only, where the kernel's gathers and buffer writes per query are the same. 16 heads or fewer: a
+    16-head tile (qdo [32, R]) with 16 slots (the product's K is at least 16)."""
+    block_r = max(16, triton.next_power_of_2(rank))
+    if heads > 16:
+        return MAX_HEADS, 16 if atomic else 32, block_r, 8, 2
+    return 16, 16, block_r, 8, 2
 
 
-def _slot_blocks(rank: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(BLOCK_W, SUB_R) of the slot-gradient kernel (all heads in one tile: a slot's gradient sums over them): 64
-    slots (the M of its latent-gradient products: wgmma), the latent in sub-blocks of up to 128 columns (32 in
-    fp32)."""
-    return 64, min(32 if dtype == torch.float32 else 128, max(16, triton.next_power_of_2(rank)))
+# the fp32 backward (`_bwd_slots_kernel`, `_bwd_dq_kernel`): slot blocks of 64 over the latent in sub-blocks of 32
+# columns (all heads: a slot's gradient sums over them); dq over blocks of 16 slots in 16-head tiles
+FP32_SLOT_BLOCK, FP32_SUB_R, FP32_DQ_SLOT_BLOCK = 64, 32, 16
 
 
 def _modes(dtype: torch.dtype) -> tuple[bool, str]:
@@ -355,8 +413,8 @@ def sparse_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq_lat [b, L, h, R], d_latent [b, L, R]). `latent_grad`: "sorted" (the default and the only one the model
     uses: deterministic, the slot gradients buffered and summed per key in a fixed order) or "atomic" (the slot
-    kernel adds its fp32 slot gradients into d_latent with atomics: no buffer, no sort, no segment sum, and not
-    bitwise reproducible). "atomic" exists for `benchmarks/dsa_kernel.py` to measure against "sorted" on a GPU: the
+    gradients added into d_latent with fp32 atomics: no buffer, no sort, no segment sum, and not bitwise
+    reproducible). "atomic" exists for `benchmarks/dsa_kernel.py` to measure against "sorted" on a GPU: the
     issue allows it as an option only where a measurement shows it pays."""
     if latent_grad not in ("sorted", "atomic"):
         raise ValueError(f"sparse attention kernel backward: latent_grad {latent_grad!r}: sorted or atomic")
@@ -366,9 +424,7 @@ def sparse_backward(
     if heads > MAX_HEADS:
         raise ValueError(f"sparse attention kernel backward: {heads} heads per rank; at most {MAX_HEADS} (use "
                          "sequence parallelism, or attention_impl='sparse')")  # fmt: skip
-    block_h, _, block_r, warps = _blocks(heads, rank, q_lat.dtype)
-    block_w = _dq_slot_block(block_r, q_lat.dtype)
-    all_heads = min(MAX_HEADS, max(16, triton.next_power_of_2(heads)))  # the slot kernel's tile: every head
+    fp32 = q_lat.dtype == torch.float32
     upcast, precision = _modes(q_lat.dtype)
     grad_out = grad_out.contiguous()
     delta = (grad_out.float() * out.float()).sum(-1).contiguous()  # [b, L, h]
@@ -377,27 +433,37 @@ def sparse_backward(
     n_rows = b * length
     if n_rows == 0 or width == 0:
         return dq.zero_(), d_latent.view(b, length, rank).to(latent.dtype)
-    strides = (*_strides(latent), *_strides(tokens))
-    slot_w, sub_r = _slot_blocks(rank, q_lat.dtype)
+    strides = (*_strides(q_lat), *_strides(latent), *_strides(tokens))
     chunk = chunk_rows(width, rank, heads, slot_grad_bytes, q_lat.dtype, slot_gradients=not atomic)
     buffer = buffer_dtype(q_lat.dtype)
+    block_r = max(16, triton.next_power_of_2(rank))
     seg_r = min(block_r, 128)
     empty = n_rows  # the key of an empty slot: sorted last, summed nowhere
     flat = tokens.reshape(n_rows, width)
     for row0 in range(0, n_rows, chunk):
         rows = min(chunk, n_rows - row0)
         g = torch.empty(0 if atomic else rows, width, rank, dtype=buffer, device=latent.device)
-        ds = torch.empty(rows, heads, width, dtype=buffer, device=latent.device)
-        _bwd_slots_kernel[(rows, triton.cdiv(width, slot_w))](
-            q_lat, latent, tokens, grad_out, lse, delta, g, ds, d_latent, row0, length, width, heads, rank, scaling,
-            *_strides(q_lat), *strides, BLOCK_H=all_heads, BLOCK_W=slot_w, BLOCK_R=block_r, SUB_R=sub_r,
-            PAIRED=q_lat.dtype != torch.float32, ATOMIC=atomic, UPCAST=upcast, PRECISION=precision, num_warps=8,
-        )  # fmt: skip
-        _bwd_dq_kernel[(rows, triton.cdiv(heads, block_h))](
-            latent, tokens, ds, dq, row0, length, width, heads, rank, *strides,
-            BLOCK_H=block_h, BLOCK_W=block_w, BLOCK_R=block_r, EVEN_R=rank == block_r, UPCAST=upcast,
-            PRECISION=precision, num_warps=warps,
-        )  # fmt: skip
+        if fp32:
+            ds = torch.empty(rows, heads, width, dtype=torch.float32, device=latent.device)
+            _bwd_slots_kernel[(rows, triton.cdiv(width, FP32_SLOT_BLOCK))](
+                q_lat, latent, tokens, grad_out, lse, delta, g, ds, d_latent, row0, length, width, heads, rank,
+                scaling, *strides, BLOCK_H=min(MAX_HEADS, max(16, triton.next_power_of_2(heads))),
+                BLOCK_W=FP32_SLOT_BLOCK, BLOCK_R=block_r, SUB_R=min(FP32_SUB_R, block_r), ATOMIC=atomic,
+                PRECISION=precision, num_warps=8,
+            )  # fmt: skip
+            block_h, _, _, warps = _blocks(heads, rank, q_lat.dtype)
+            _bwd_dq_kernel[(rows, triton.cdiv(heads, block_h))](
+                latent, tokens, ds, dq, row0, length, width, heads, rank, *strides[4:],
+                BLOCK_H=block_h, BLOCK_W=FP32_DQ_SLOT_BLOCK, BLOCK_R=block_r, EVEN_R=rank == block_r,
+                UPCAST=upcast, PRECISION=precision, num_warps=warps,
+            )  # fmt: skip
+        else:
+            block_h, block_w, _, warps, stages = _query_blocks(heads, rank, atomic)
+            _bwd_query_kernel[(rows,)](
+                q_lat, latent, tokens, grad_out, lse, delta, g, dq, d_latent, row0, length, width, heads, rank,
+                scaling, *strides, BLOCK_H=block_h, BLOCK_W=block_w, BLOCK_R=block_r, EVEN_R=rank == block_r,
+                ATOMIC=atomic, UPCAST=upcast, PRECISION=precision, num_warps=warps, num_stages=stages,
+            )  # fmt: skip
         if atomic:
             continue
         # the chunk's references by the key token they read: int32, this chunk's rows only
