@@ -328,8 +328,8 @@ def _segment_sum_kernel(
 
 
 def _blocks(heads: int, rank: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_H, BLOCK_W, BLOCK_R, warps) of the forward kernel; the dq kernel takes all but BLOCK_W. bf16 / fp16: all
-    of a query's heads in one tile (at least 16 rows for the MMA, at most 64), the latent whole, slot blocks as
+    """(BLOCK_H, BLOCK_W, BLOCK_R, warps) of the forward kernel (the fp32 dq kernel takes its BLOCK_H and warps).
+    bf16 / fp16: all of a query's heads in one tile (at least 16 rows for the MMA, at most 64), the latent whole, slot blocks as
     large as the [BLOCK_H, R] accumulators leave registers for without a spill inside the slot loop (compiled for
     sm_90, at R 512: 64 heads x 32 slots, 64 slots in the loop spill; fewer heads x 64 slots). The slot block is the
     N of the score product s = q c^T, which Triton places on both warpgroups alike (its layout rule for a product

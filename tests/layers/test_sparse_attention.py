@@ -325,25 +325,27 @@ class _Launches:
         return launch
 
 
-def _backward_programs(monkeypatch, length: int, slot_grad_bytes: int) -> int:
+def _backward_programs(monkeypatch, length: int, slot_grad_bytes: int, dtype: torch.dtype) -> int:
     from glm53_ds.layers import sparse_attention_triton as kernels
 
     launches = _Launches()
     for name in ("_bwd_query_kernel", "_bwd_slots_kernel", "_bwd_dq_kernel", "_segment_sum_kernel"):
         monkeypatch.setattr(kernels, name, launches)
-    q, c, tokens = _random_case(b=1, length=length, heads=4, rank=16, width=12)
+    q, c, tokens = _random_case(b=1, length=length, heads=4, rank=16, width=12, dtype=dtype)
     out = torch.zeros_like(q)
     lse = torch.zeros(q.shape[:3])
     kernels.sparse_backward(q, c, tokens, out, lse, torch.ones_like(q), 0.3, slot_grad_bytes=slot_grad_bytes)
     return launches.programs
 
 
-def test_the_backward_launches_programs_linear_in_length(monkeypatch):
-    """At a forced small chunk (8 query rows), 4x the tokens launch 4x the programs (linear in L). Before: every
-    chunk's segment sum ran one program per key token of the whole sequence (L / chunk x L programs: quadratic);
-    the control counts that schedule the same way and finds 16x."""
-    budget = 8 * 12 * (16 + 4) * 4  # 8 rows of fp32 slot gradients [W, R] and ds [H, W]
-    short, long = (_backward_programs(monkeypatch, n, budget) for n in (64, 256))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_backward_launches_programs_linear_in_length(monkeypatch, dtype):
+    """At a forced small chunk (8 query rows), 4x the tokens launch 4x the programs (linear in L), for the fp32
+    kernels and the bf16 fused one. Before: every chunk's segment sum ran one program per key token of the whole
+    sequence (L / chunk x L programs: quadratic); the control counts that schedule the same way and finds 16x."""
+    # 8 rows of slot gradients [W, R] (and in fp32 ds [H, W])
+    budget = 8 * 12 * (16 + 4) * 4 if dtype == torch.float32 else 8 * 12 * 16 * 2
+    short, long = (_backward_programs(monkeypatch, n, budget, dtype) for n in (64, 256))
     assert long / short == pytest.approx(4.0, rel=0.05)
 
     def old_schedule(length: int, chunk: int = 8) -> int:  # the segment sum's grid before: (b * L, R blocks)
