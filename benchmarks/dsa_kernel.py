@@ -245,8 +245,8 @@ def model(length: int, heads: int, rank: int, width: int, dq: int) -> list[dict[
         moved = gathered + buffered + other
         seconds = max(issued / (H200_TFLOPS * 1e12), moved / (H200_TBPS * 1e12)) * length
         l2_seconds = max(issued / (H200_TFLOPS * 1e12), (moved - gathered) / (H200_TBPS * 1e12)) * length
-        rows.append(dict(kernel=name, path=path, tokens=length, mflop_per_query=flops / 1e6, issued_vs_useful=issued / flops,
-                         gathered_MB=gathered / 1e6, buffered_MB=buffered / 1e6,
+        rows.append(dict(kernel=name, path=path, tokens=length, mflop_per_query=flops / 1e6,
+                         issued_vs_useful=issued / flops, gathered_MB=gathered / 1e6, buffered_MB=buffered / 1e6,
                          flop_per_byte=flops / moved if moved else float("inf"), roofline_ms=seconds * 1e3,
                          roofline_tflops=flops * length / seconds / 1e12, gathers_in_l2_ms=l2_seconds * 1e3))  # fmt: skip
     return rows

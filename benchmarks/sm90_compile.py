@@ -228,7 +228,7 @@ class _CompileOnly:
 def _dsa(dtype: torch.dtype, tokens: int, heads: int = HEADS, latent_grad: str = "sorted") -> None:
     """The DSA sparse-attention kernels as the model calls them: q_lat as `absorb_query` makes it (a transposed
     view), the latent [b, L, R], the selection [b, L, W] int32. `latent_grad="atomic"`: the backward's measured
-    alternative (`sparse_backward`), whose slot kernel reports as `bwd_slots_kernel:atomic`."""
+    alternative (`sparse_backward`), whose bf16 kernel reports as `bwd_query_kernel:atomic`."""
     from glm53_ds.layers import sparse_attention_triton as kernels
 
     g = torch.Generator().manual_seed(0)
@@ -301,7 +301,7 @@ def compile_all(dtypes: tuple[str, ...] = ("bf16", "fp32"), tokens: int = 256) -
     reports: list[KernelReport] = []
     runs = [(dtype, CALLERS.values(), HEADS) for dtype in dtypes]
     runs += [("bf16", [functools.partial(_dsa, heads=h)], h) for h in SP_HEADS if "bf16" in dtypes]
-    # the atomic latent gradient: its slot kernel (its other kernels are the sorted path's, again)
+    # the atomic latent gradient: its fused backward kernel (the forward is the sorted path's, again)
     if "bf16" in dtypes:
         runs.append(("bf16", [functools.partial(_dsa, latent_grad="atomic")], HEADS))
     for dtype, calls, heads in runs:

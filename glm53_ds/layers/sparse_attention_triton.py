@@ -71,8 +71,9 @@ def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 def _load_slots(
     t_ptr, c_ptr, bi, i, offs_w, W, offs_r, mask_r, s_tb, s_tl, s_tw, s_cb, s_cl, s_cr, EVEN_R: tl.constexpr
 ):  # fmt: skip
-    """Query i's slots offs_w: which are valid, and their latent rows [BLOCK_W, BLOCK_R] (0 where not). EVEN_R
-    (R == BLOCK_R): no column mask, fewer predicates held across the loop."""
+    """Query i's slots offs_w: the key tokens they read (int64, -1 = empty), which are valid, and their latent rows
+    [BLOCK_W, BLOCK_R] (0 where not). EVEN_R (R == BLOCK_R): no column mask, fewer predicates held across the
+    loop."""
     tok = tl.load(t_ptr + bi * s_tb + i * s_tl + offs_w * s_tw, mask=offs_w < W, other=-1).to(tl.int64)
     valid = tok >= 0
     if EVEN_R:
@@ -80,7 +81,7 @@ def _load_slots(
     else:
         mask = valid[:, None] & mask_r[None, :]
     c = tl.load(c_ptr + bi * s_cb + tok[:, None] * s_cl + offs_r[None, :] * s_cr, mask=mask, other=0.0)
-    return valid, c
+    return tok, valid, c
 
 
 @triton.jit
@@ -109,7 +110,7 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
     for w0 in range(0, W, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
-        valid, c = _load_slots(
+        _, valid, c = _load_slots(
             t_ptr, c_ptr, bi, i, offs_w, W, offs_r, mask_r, s_tb, s_tl, s_tw, s_cb, s_cl, s_cr, EVEN_R
         )  # [BLOCK_W], [BLOCK_W, BLOCK_R]: gathered once for every head
         s = _dot(q, tl.trans(c), UPCAST, PRECISION) * scale_log2  # [BLOCK_H, BLOCK_W], log2 units
@@ -177,9 +178,9 @@ def _bwd_query_kernel(
     dq = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
     for w0 in range(0, W, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
-        valid, c = _load_slots(
+        tok, valid, c = _load_slots(
             t_ptr, c_ptr, bi, i, offs_w, W, offs_r, mask_r, s_tb, s_tl, s_tw, s_cb, s_cl, s_cr, EVEN_R
-        )  # [BLOCK_W], [BLOCK_W, BLOCK_R]: gathered once for every head and all five products
+        )  # [BLOCK_W] x2, [BLOCK_W, BLOCK_R]: gathered once for every head and all five products
         sd = _dot(qdo, tl.trans(c), UPCAST, PRECISION)  # [2 BLOCK_H, BLOCK_W]
         s, dp = tl.split(tl.permute(tl.reshape(sd, [BLOCK_H, 2, BLOCK_W]), (0, 2, 1)))
         p = tl.where(valid[None, :], tl.exp(s * scaling - lse_safe[:, None]), 0.0)  # [BLOCK_H, BLOCK_W]
@@ -188,9 +189,6 @@ def _bwd_query_kernel(
         pair = tl.reshape(tl.permute(tl.join(ds, p), (0, 2, 1)), [2 * BLOCK_H, BLOCK_W])  # rows as in qdo
         g_t = _dot(tl.trans(qdo), pair.to(qdo.dtype), UPCAST, PRECISION)  # [BLOCK_R, BLOCK_W]
         if ATOMIC:  # the measured alternative: fp32 reductions straight into d_latent, in no fixed order
-            tok = tl.load(t_ptr + bi * s_tb + i * s_tl + offs_w * s_tw, mask=offs_w < W, other=-1).to(
-                tl.int64
-            )
             tl.atomic_add(dc_ptr + (bi * L + tok)[None, :] * R + offs_r[:, None], g_t,
                           mask=valid[None, :] & mask_r[:, None], sem="relaxed")  # fmt: skip
         else:
@@ -271,7 +269,7 @@ def _bwd_dq_kernel(
     s_cb, s_cl, s_cr,
     s_tb, s_tl, s_tw,
     BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, EVEN_R: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """fp32: query row0 + program 0, heads program 1: dq [H, R] = ds c over its slots (the fifth product; bf16 /
     fp16 compute it in `_bwd_query_kernel`). dq contiguous [b, L, H, R]; ds the chunk's [rows, H, W] fp32."""
@@ -284,12 +282,12 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
     for w0 in range(0, W, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
-        valid, c = _load_slots(
+        _, valid, c = _load_slots(
             t_ptr, c_ptr, bi, i, offs_w, W, offs_r, mask_r, s_tb, s_tl, s_tw, s_cb, s_cl, s_cr, EVEN_R
         )  # [BLOCK_W], [BLOCK_W, BLOCK_R]
         ds = tl.load(ds_ptr + local * H * W + offs_h[:, None] * W + offs_w[None, :],
                      mask=mask_h[:, None] & (offs_w < W)[None, :], other=0.0)  # fmt: skip
-        dq += _dot(ds.to(c.dtype), c, UPCAST, PRECISION)  # 5
+        dq += tl.dot(ds, c, input_precision=PRECISION)  # 5
     tl.store(dq_ptr + row * H * R + offs_h[:, None] * R + offs_r[None, :], dq.to(dq_ptr.dtype.element_ty),
              mask=mask_h[:, None] & mask_r[None, :])  # fmt: skip
 
@@ -327,19 +325,30 @@ def _segment_sum_kernel(
             tl.store(ptrs, tl.load(ptrs, mask=mask_r, other=0.0) + acc, mask=mask_r)
 
 
+def _latent_block(rank: int) -> int:
+    """BLOCK_R: the latent whole, a power of 2 (masked beyond R), at least 16 (an MMA's K)."""
+    return max(16, triton.next_power_of_2(rank))
+
+
+def _head_tile(heads: int) -> int:
+    """A tile holding all of a query's heads: a power of 2, at least 16 rows (an MMA's M), at most MAX_HEADS."""
+    return min(MAX_HEADS, max(16, triton.next_power_of_2(heads)))
+
+
 def _blocks(heads: int, rank: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_H, BLOCK_W, BLOCK_R, warps) of the forward kernel (the fp32 dq kernel takes its BLOCK_H and warps).
-    bf16 / fp16: all of a query's heads in one tile (at least 16 rows for the MMA, at most 64), the latent whole, slot blocks as
-    large as the [BLOCK_H, R] accumulators leave registers for without a spill inside the slot loop (compiled for
-    sm_90, at R 512: 64 heads x 32 slots, 64 slots in the loop spill; fewer heads x 64 slots). The slot block is the
-    N of the score product s = q c^T, which Triton places on both warpgroups alike (its layout rule for a product
-    feeding another: warps along M, and M is only 64 heads), as 64 x (BLOCK_W / 2) x 16 wgmma instructions: 16 slots
-    made them 64 x 8 x 16, bound by reading the [64 x 16] q operand from shared memory once per 8 slots. fp32 (IEEE
-    dots on CUDA cores, no tensor-core path to shape for): 16-head tiles, which compile without spills."""
-    block_r = max(16, triton.next_power_of_2(rank))
+    """(BLOCK_H, BLOCK_W, BLOCK_R, warps) of the forward kernel (the fp32 dq kernel takes its BLOCK_H and
+    warps). bf16 / fp16: all of a query's heads in one tile (at least 16 rows for the MMA, at most 64), the
+    latent whole, slot blocks as large as the [BLOCK_H, R] accumulators leave registers for without a spill
+    inside the slot loop (compiled for sm_90, at R 512: 64 heads x 32 slots, 64 slots in the loop spill; fewer
+    heads x 64 slots). The slot block is the N of the score product s = q c^T, which Triton places on both
+    warpgroups alike (its layout rule for a product feeding another: warps along M, and M is only 64 heads),
+    as 64 x (BLOCK_W / 2) x 16 wgmma instructions: 16 slots made them 64 x 8 x 16, bound by reading the
+    [64 x 16] q operand from shared memory once per 8 slots. fp32 (IEEE dots on CUDA cores, no tensor-core path to
+    shape for): 16-head tiles, which compile without spills."""
+    block_r = _latent_block(rank)
     if dtype == torch.float32:
         return 16, 16, block_r, 4
-    block_h = min(MAX_HEADS, max(16, triton.next_power_of_2(heads)))
+    block_h = _head_tile(heads)
     warps = 8 if block_h * block_r >= 64 * 256 else 4
     return block_h, 32 if block_h * block_r >= 64 * 512 else 64, block_r, warps
 
@@ -353,7 +362,7 @@ def _query_blocks(heads: int, rank: int, atomic: bool) -> tuple[int, int, int, i
     score product is computed on both warpgroups and 16 slots still spill (25 per iteration); the padding costs
     tensor work only, where the kernel's gathers and buffer writes per query are the same. 16 heads or fewer: a
     16-head tile (qdo [32, R]) with 16 slots (the product's K is at least 16)."""
-    block_r = max(16, triton.next_power_of_2(rank))
+    block_r = _latent_block(rank)
     if heads > 16:
         return MAX_HEADS, 16 if atomic else 32, block_r, 8, 2
     return 16, 16, block_r, 8, 2
@@ -436,7 +445,7 @@ def sparse_backward(
     strides = (*_strides(q_lat), *_strides(latent), *_strides(tokens))
     chunk = chunk_rows(width, rank, heads, slot_grad_bytes, q_lat.dtype, slot_gradients=not atomic)
     buffer = buffer_dtype(q_lat.dtype)
-    block_r = max(16, triton.next_power_of_2(rank))
+    block_r = _latent_block(rank)
     seg_r = min(block_r, 128)
     empty = n_rows  # the key of an empty slot: sorted last, summed nowhere
     flat = tokens.reshape(n_rows, width)
@@ -447,7 +456,7 @@ def sparse_backward(
             ds = torch.empty(rows, heads, width, dtype=torch.float32, device=latent.device)
             _bwd_slots_kernel[(rows, triton.cdiv(width, FP32_SLOT_BLOCK))](
                 q_lat, latent, tokens, grad_out, lse, delta, g, ds, d_latent, row0, length, width, heads, rank,
-                scaling, *strides, BLOCK_H=min(MAX_HEADS, max(16, triton.next_power_of_2(heads))),
+                scaling, *strides, BLOCK_H=_head_tile(heads),
                 BLOCK_W=FP32_SLOT_BLOCK, BLOCK_R=block_r, SUB_R=min(FP32_SUB_R, block_r), ATOMIC=atomic,
                 PRECISION=precision, num_warps=8,
             )  # fmt: skip
@@ -455,7 +464,7 @@ def sparse_backward(
             _bwd_dq_kernel[(rows, triton.cdiv(heads, block_h))](
                 latent, tokens, ds, dq, row0, length, width, heads, rank, *strides[4:],
                 BLOCK_H=block_h, BLOCK_W=FP32_DQ_SLOT_BLOCK, BLOCK_R=block_r, EVEN_R=rank == block_r,
-                UPCAST=upcast, PRECISION=precision, num_warps=warps,
+                PRECISION=precision, num_warps=warps,
             )  # fmt: skip
         else:
             block_h, block_w, _, warps, stages = _query_blocks(heads, rank, atomic)
