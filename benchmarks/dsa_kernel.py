@@ -8,7 +8,9 @@ the top K = topk / kpool of its visible complete pools by a random score, plus i
    (`sparse`), fp32 and bf16, output / dq_lat / d_latent relative errors, and bitwise determinism of the backward;
 0. before measuring, the kernels' roofline model at 16k / 32k / 128k (and `--tokens`): FLOPs, bytes gathered and
    buffered per query, arithmetic intensity, the H200 roofline time (`model`); each measurement is then shown as
-   a fraction of that time (`fwd_vs_roofline`, `bwd_vs_roofline`);
+   a fraction of that time (`fwd_vs_roofline`, `bwd_vs_roofline`); and per rank under `--sp` (default 8): the
+   attention split by query as mla.py does against split by head, beside dense SDPA on a rank's heads
+   (`sp_model`);
 2. per `--tokens` (default 16384 32768): forward and backward time of the kernel (CUDA events, median of 3), its
    achieved TFLOP/s (useful FLOPs: forward 4·L·W·H·R, backward 2.5× that), peak memory of forward + backward;
    beside it dense causal SDPA (flash, per-head q, k, v of 256 dims: dense attention's best case) on the same
@@ -252,6 +254,27 @@ def model(length: int, heads: int, rank: int, width: int, dq: int) -> list[dict[
     return rows
 
 
+def sp_model(length: int, heads: int, rank: int, width: int, dq: int, sp: int) -> dict[str, Any]:
+    """One layer's sparse fwd+bwd per rank under sequence parallelism SP (the H200 roofline of `model`, gathers from
+    HBM to L2): split by query as mla.py does (the busiest rank: S/SP queries of W slots each, all heads) and, for
+    comparison, split by head as KDA is (every rank all S queries of H/SP heads); beside dense causal SDPA on H/SP
+    heads (the same per rank either way)."""
+    whole = model(length, heads, rank, width, dq)
+    by_head = model(length, heads // sp, rank, width, dq)
+
+    def total(rows: list[dict[str, Any]], key: str) -> float:
+        return sum(r[key] for r in rows if r["path"] in ("sparse", "sorted"))
+
+    w_eff = (width * (width + 1) / 2 + max(0, length - width) * width) / length if length > width else width
+    busiest = (length / sp) * min(width, length) / (length * w_eff)  # its share of the slot references
+    dense = next(r["roofline_ms"] for r in by_head if r["path"] == "dense")
+    query_ms = (total(whole, "roofline_ms") * busiest, total(whole, "gathers_in_l2_ms") * busiest)
+    head_ms = (total(by_head, "roofline_ms"), total(by_head, "gathers_in_l2_ms"))
+    return dict(tokens=length, sp=sp, heads_per_rank_by_head=heads // sp, by_query_ms=query_ms[0],
+                by_query_l2_ms=query_ms[1], by_head_ms=head_ms[0], by_head_l2_ms=head_ms[1], dense_ms=dense,
+                by_query_vs_dense=dense / query_ms[0], by_head_vs_dense=dense / head_ms[0])  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -262,11 +285,12 @@ def main() -> None:
     parser.add_argument("--dq", type=int, default=256)
     parser.add_argument("--topk", type=int, default=2048)
     parser.add_argument("--kpool", type=int, default=16)
+    parser.add_argument("--sp", type=int, nargs="+", default=[8], help="SP sizes of the per-rank prediction")
     parser.add_argument("--small", action="store_true", help="CPU dry run sizes (Triton interpreter)")
     args = parser.parse_args()
     if args.small:  # (TRITON_INTERPRET=1: set at import)
         args.heads, args.rank, args.dq, args.topk, args.kpool = 4, 32, 16, 16, 4
-        args.tokens, args.check_tokens = [256], 64
+        args.tokens, args.check_tokens, args.sp = [256], 64, [2]
     device = torch.device(args.device)
     width = args.topk + args.kpool - 1
     predicted = [
@@ -289,6 +313,17 @@ def main() -> None:
         l2 = sum(r["gathers_in_l2_ms"] for r in at if r["path"] in ("sparse", "atomic"))
         print(f"  with the atomic backward: {hbm:.1f} to {l2:.1f} ms, {dense / hbm:.2f}x to {dense / l2:.2f}x (its "
               f"reductions counted at HBM bandwidth; at L2 speed they would cost less)")  # fmt: skip
+    per_rank = [
+        sp_model(length, args.heads, args.rank, width, args.dq, sp)
+        for sp in args.sp
+        if args.heads % sp == 0
+        for length in sorted({r["tokens"] for r in predicted})
+    ]
+    for r in per_rank:
+        print(f"predicted per rank at SP {r['sp']}, {r['tokens']} tokens: split by query (mla.py) "
+              f"{r['by_query_ms']:.1f}-{r['by_query_l2_ms']:.1f} ms, split by head ({r['heads_per_rank_by_head']} "
+              f"heads, every query) {r['by_head_ms']:.1f}-{r['by_head_l2_ms']:.1f} ms; dense causal SDPA on those "
+              f"heads {r['dense_ms']:.1f} ms: {r['by_query_vs_dense']:.2f}x vs {r['by_head_vs_dense']:.2f}x")  # fmt: skip
     correctness = check(args, device)
     print("correctness vs the torch reference:", correctness)
     rows = [speed(args, device, length) for length in args.tokens]
@@ -302,7 +337,8 @@ def main() -> None:
     path = write_results(
         f"dsa_kernel_{device.type}",
         dict(device=device_description(device), heads=args.heads, rank=args.rank, topk=args.topk,
-             kpool=args.kpool, correctness=correctness, rows=rows, prediction=predicted),
+             kpool=args.kpool, correctness=correctness, rows=rows, prediction=predicted,
+             prediction_per_rank=per_rank),
     )  # fmt: skip
     print(f"results: {path}")
     last = rows[-1]

@@ -44,7 +44,7 @@ def test_every_kernel_compiles_for_sm90_within_its_limits(compiled):
     }
     assert result["problems"] == [] and code == 0, result["problems"]
     assert all(k["loop_spills"] == 0 and k["stack_bytes"] <= 128 for k in kernels if k["dtype"] == "bf16")
-    # the heads a rank keeps under sequence parallelism 2, 4, 8 compile within the same limits
+    # fewer heads (smaller models: the tiles' other branches) compile within the same limits
     forward_heads = {k["heads"] for k in kernels if k["kernel"] == "fwd_kernel" and k["dtype"] == "bf16"}
     assert forward_heads == {64, 32, 16, 8}
     assert all(k["shared_bytes"] <= 227 * 1024 for k in kernels)

@@ -36,14 +36,17 @@ def chunk_rows(
 
 
 def backward_workspace(
-    b: int, length: int, heads: int, rank: int, width: int, dtype: torch.dtype = torch.float32
-) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    b: int, length: int, heads: int, rank: int, width: int, dtype: torch.dtype = torch.float32,
+    key_length: int | None = None,
+) -> list[tuple[tuple[int, ...], torch.dtype]]:  # fmt: skip
     """What the fused backward allocates besides its gradients, at most at once (for the planner's count): one
-    chunk's slot gradients (and ds, fp32 only), the fp32 latent-gradient accumulator [b L, R], delta [b, L, h],
-    and the chunk's sort (int32 keys, int32 sorted keys, int64 order)."""
+    chunk's slot gradients (and ds, fp32 only), the fp32 latent-gradient accumulator [b Lk, R] (Lk = `key_length`,
+    the keys' sequence: `length` unless the queries are a part of it), delta [b, L, h], and the chunk's sort (int32
+    keys, int32 sorted keys, int64 order)."""
     rows = min(b * length, chunk_rows(width, rank, heads, dtype=dtype))
     buffer = buffer_dtype(dtype)
     ds = [((rows, heads, width), buffer)] if dtype == torch.float32 else []
+    keys = length if key_length is None else key_length
     return [((rows, width, rank), buffer), *ds,
-            ((b * length, rank), torch.float32), ((b, length, heads), torch.float32),
+            ((b * keys, rank), torch.float32), ((b, length, heads), torch.float32),
             ((rows * width * 16,), torch.uint8)]  # fmt: skip

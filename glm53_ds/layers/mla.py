@@ -7,9 +7,14 @@ layer chose, passed in through the transformer block's `context`). Attention is 
 as HF's eager path; a query whose set is empty (padding rows) averages all values as HF does.
 
 Packed documents: the indexer and the attention run once per document (pools start at its first token). Under
-sequence parallelism the indexer keys and selections are gathered and the attention runs head-sharded on the whole
-row (`SparseMLA.forward`, parallel/sequence.py): the sparse forms move q_lat by one all-to-all and all-gather the
-latent (R values per token, instead of per-head k and v); the dense path moves q, k, v by all-to-alls.
+sequence parallelism (`SparseMLA.forward`, parallel/sequence.py) the indexer keys are gathered and each rank selects
+for its own queries. The sparse forms then split the attention by query, not by head: a rank's queries, with all
+heads, read their selected rows of the whole row's latent, which is gathered (R values per token; the latent's
+gradient comes back by a reduce-scatter). So each rank gathers and buffers the latent rows of S/N queries for all H
+heads, where a head split would have every rank gather all S queries' rows for H/N heads (the same bytes on every
+rank whatever N: at 8 heads per rank the kernel would be bound by its gathers), and neither q_lat nor the output
+moves. The dense path (parity only) trades tokens for heads: selections gathered, q, k, v and the output moved by
+all-to-alls.
 
 The config's `attention_impl` (`glm53_ds/backends.py`) picks how the attention is computed:
   - `sparse` / `triton` / `auto` (default): DSA sparse attention in the absorbed latent form
@@ -46,6 +51,18 @@ from .sparse_attention import (
     pooled_attention_mass,
     sparse_latent_attention,
 )
+
+
+def local_documents(
+    bounds: tuple[tuple[int, int], ...], start: int, length: int
+) -> list[tuple[int, int, slice]]:
+    """The documents [a, e) of a row (bounds in row positions) that hold some of the queries [start, start +
+    length) (a rank's under sequence parallelism; all of them without), each with those queries' local rows."""
+    return [
+        (a, e, slice(max(a, start) - start, min(e, start + length) - start))
+        for a, e in bounds
+        if max(a, start) < min(e, start + length)
+    ]
 
 
 def topk_to_mask(topk_tokens: torch.Tensor, kv_length: int) -> torch.Tensor:
@@ -187,11 +204,6 @@ class SparseMLA(nn.Module):
         # HF hands a full layer's selection only to the very next layer, when that one is "shared".
         self.passes_selection = not self.reuses_selection and i + 1 < len(types) and types[i + 1] == "shared"
         self.sequence = SequenceParallel.of(pg_collection)  # None without sequence parallelism
-        if self.sequence is not None and self.indexer is not None and self.indexer_loss_coef > 0:
-            raise ValueError(
-                f"indexer_loss_coef = {self.indexer_loss_coef} with sequence parallelism (SP = "
-                f"{self.sequence.size}): the DSA indexer loss is not supported under SP; set it to 0"
-            )
 
     # packed documents: this module runs its indexer and attention once per document itself (each document's
     # pools start at its first token, and its queries see only its keys)
@@ -216,8 +228,9 @@ class SparseMLA(nn.Module):
         Under sequence parallelism (parallel/sequence.py) s is this rank's S/N tokens and `documents` are the whole
         row's: projections run on the local tokens; the indexer scores the local queries against the pools of
         all S tokens (its per-token keys are gathered, so the pools form in global token order and the top-k
-        equals SP = 1's) and the selections are gathered; one all-to-all per q, k, v hands every rank all S tokens
-        of H/N heads for the attention, and one all-to-all brings its output back to the local tokens."""
+        equals SP = 1's); the selection [b, s, W] stays this rank's (so does the one handed to the next layer).
+        The sparse forms attend the local queries, all heads, over the gathered latent of the whole row; the
+        dense path gathers the selections and trades tokens for heads by all-to-alls (`_dense`)."""
         x = hidden_states.transpose(0, 1)  # [b, s, D]
         b, s, _ = x.shape
         mask = (
@@ -246,7 +259,7 @@ class SparseMLA(nn.Module):
             and self.training
             and torch.is_grad_enabled()
         )
-        indexed: list[tuple[Pools, Selection, slice]] = []  # per document, for the indexer loss
+        indexed: list[tuple[Pools, Selection, slice, slice]] = []  # per document, for the indexer loss
         if self.indexer is not None:
             # detached inputs: the indexer loss trains only the indexer, and the LM loss never does
             with torch.set_grad_enabled(train_indexer):
@@ -254,22 +267,16 @@ class SparseMLA(nn.Module):
                 if sp is not None:
                     keys = (sp.gather_tokens(keys[0]), sp.gather_tokens(keys[1]))  # [b, S, d] each
             parts = []
-            for a, e in bounds:  # the documents holding this rank's queries
-                first, last = max(a, start), min(e, start + s)
-                if first >= last:
-                    continue
-                rows = slice(first - start, last - start)
+            for a, e, rows in local_documents(bounds, start, s):
                 with torch.set_grad_enabled(train_indexer):
                     real = None if pad_known is None else max(0, e - a - pad_known)
                     pools = self.indexer.pools((keys[0][:, a:e], keys[1][:, a:e]), key_mask[:, a:e], real)
                 selection = self.indexer.select(
-                    x[:, rows], q_resid[:, rows], mask[:, rows], pools, query_offset=first - a
+                    x[:, rows], q_resid[:, rows], mask[:, rows], pools, query_offset=start + rows.start - a
                 )
                 parts.append(selection.tokens)
-                indexed.append((pools, selection, rows))
-            topk = torch.cat(parts, dim=1)  # [b, s, W]
-            if sp is not None:
-                topk = sp.gather_tokens(topk)  # [b, S, W]
+                indexed.append((pools, selection, rows, slice(a, e)))
+            topk = torch.cat(parts, dim=1)  # [b, s, W]: this rank's queries
         elif shared_topk is None:
             raise ValueError(
                 f"layer {self.layer_index}: a 'shared' DSA layer needs the top-k selection of the previous full layer"
@@ -287,42 +294,38 @@ class SparseMLA(nn.Module):
         )  # [H, dq, R], [H, dv, R]
         q_lat = None
         if impl in ("dense", "eager"):
-            out = self._dense(q, latent, topk, bounds, dropout, impl, blind_possible)  # [b, S, h, dv]
+            out = self._dense(q, latent, topk, bounds, dropout, impl, blind_possible)  # [b, s, H, dv]
         else:
             q_lat = absorb_query(q, w_uk)  # [b, s, H, R]
-            keys_lat = latent
-            if sp is not None:
-                q_lat, keys_lat = (
-                    sp.seq_to_heads(q_lat),
-                    sp.gather_tokens(latent),
-                )  # [b, S, H/N, R], [b, S, R]
-                heads = self.num_heads // sp.size
-                w_uv = w_uv[sp.rank * heads : (sp.rank + 1) * heads]
+            # the keys: the whole row's latent (under SP gathered: every rank's queries may select any token)
+            keys_lat = latent if sp is None else sp.gather_tokens(latent)  # [b, S, R]
             o_lat = torch.cat(
                 [
                     sparse_latent_attention(
-                        q_lat[:, a:e],
+                        q_lat[:, rows],
                         keys_lat[:, a:e],
-                        topk[:, a:e],
+                        topk[:, rows],
                         self.scaling,
                         dropout,
                         impl,
                         blind_possible=blind_possible,
                     )
-                    for a, e in bounds
+                    for a, e, rows in local_documents(bounds, start, s)
                 ],
                 dim=1,
-            )  # [b, S, h, R]
-            out = expand_output(o_lat, w_uv)  # [b, S, h, dv]
+            )  # [b, s, H, R]
+            out = expand_output(o_lat, w_uv)  # [b, s, H, dv]
 
         terms = []
-        if train_indexer:  # no SP here (refused at construction): the documents' rows are the whole row's
-            # the sparse forms' own q_lat (no SP here, so it is still the local one); the dense path absorbs it now
+        if train_indexer:
+            # the target: the main attention of this rank's queries, all heads (the sparse forms' own q_lat; the
+            # dense path absorbs it now), over their document's keys (under SP: of the whole row's latent)
             q_lat_target = absorb_query(q.detach(), w_uk.detach()) if q_lat is None else q_lat.detach()
-            for pools, selection, rows in indexed:
+            keys_target = latent.detach() if sp is None else sp.gather_tokens(latent.detach())  # [b, S, R]
+            for pools, selection, rows, document in indexed:
                 assert self.indexer is not None
                 target = pooled_attention_mass(
-                    q_lat_target[:, rows], latent.detach()[:, rows], selection.tokens,
+                    q_lat_target[:, rows], keys_target[:, document], selection.tokens,
                     selection.pools.shape[-1], self.indexer.kpool, self.scaling,
                 )  # fmt: skip
                 terms.append(
@@ -335,9 +338,9 @@ class SparseMLA(nn.Module):
                 torch.stack([t[0] for t in terms]).sum(),
                 torch.stack([t[1] for t in terms]).sum(),
             )
-            record.indexer_losses.append(kl_loss(total, queries))
-        if sp is not None:
-            out = sp.heads_to_seq(out)  # [b, s, H, dv]
+            # a mean over the row's queries: under SP this rank's KL sum over all SP ranks' query count, so the
+            # shards' losses (and gradients, summed over SP as every replicated one) add up to the row's
+            record.indexer_losses.append(kl_loss(total, queries if sp is None else sp.sum_counts(queries)))
         out = self.o_proj(out.reshape(b, s, self.num_heads * self.v_head_dim))
         return out.transpose(0, 1), (topk if self.passes_selection else None)
 
@@ -352,15 +355,18 @@ class SparseMLA(nn.Module):
         blind_possible: bool = True,
     ) -> torch.Tensor:
         """Today's dense path (`attention_impl` dense / eager), kept for parity: per-head keys and values from
-        kv_b, masked attention over all L keys of each document. q [b, s, H, dq], latent [b, s, R] -> [b, S, h, dv]."""
+        kv_b, masked attention over all L keys of each document. q [b, s, H, dq], latent [b, s, R], topk [b, s, W]
+        -> [b, s, H, dv]. Under SP: the selections gathered, q, k, v moved to all S tokens of H/N heads and the
+        output back by all-to-alls."""
         b, s = latent.shape[:2]
         kv = self.kv_b_proj(latent).view(b, s, self.num_heads, self.qk_head_dim + self.v_head_dim)
         k, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)  # [b, s, H, dq], [b, s, H, dv]
         sp = self.sequence
         if sp is not None:
             q, k, v = sp.seq_to_heads(q), sp.seq_to_heads(k), sp.seq_to_heads(v)  # [b, S, H/N, d]
+            topk = sp.gather_tokens(topk)  # [b, S, W]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, h, S, d]
-        return torch.cat(
+        out = torch.cat(
             [
                 dense_attention(
                     q[:, :, a:e],
@@ -375,4 +381,5 @@ class SparseMLA(nn.Module):
                 for a, e in bounds
             ],
             dim=1,
-        )
+        )  # [b, S, h, dv]
+        return out if sp is None else sp.heads_to_seq(out)  # [b, s, H, dv]

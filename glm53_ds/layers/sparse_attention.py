@@ -11,10 +11,12 @@ per query, O(L·W·H·R) FLOPs and O(L·W) gathered rows, never [L, L]. Per-head
 released size that saves 2 x 64 x 256 values per token and layer). docs/numerics.md compares its rounding with HF's.
 
 Contract of the core (`sparse_latent_attention`), shared by the torch reference and the Triton kernel:
-    q_lat [b, L, h, R], latent [b, L, R], tokens [b, L, W] int32 (indices into the L keys, -1 = empty slot; the
+    q_lat [b, L, h, R], latent [b, Lk, R], tokens [b, L, W] int32 (indices into the Lk keys, -1 = empty slot; the
     indices of a row are distinct, as every DSA selection is) -> o_lat [b, L, h, R]
-A query whose slots are all empty (padding rows, or the first kpool-1 tokens without a tail) averages all L values,
-with HF's gradient at that point (`blind_rows`), as the dense path does.
+The queries may be a part of the keys' sequence (Lk >= L: under sequence parallelism a rank's own queries against
+the whole row's latent, mla.py); the latent gradient covers all Lk keys. A query whose slots are all empty (padding
+rows, or the first kpool-1 tokens without a tail) averages all Lk values, with HF's gradient at that point
+(`blind_rows`), as the dense path does.
 
 Implementations (`attention_impl`, glm53_ds/backends.py): `sparse` = the torch reference below (gather per block
 of query rows, recomputed per block in backward: only q_lat, latent and tokens are kept); `triton` = the fused
@@ -144,7 +146,7 @@ def reference_backward(
     """(dq_lat, d_latent), block by block; the latent gradient accumulates in one buffer across blocks (per-block
     autograd nodes would each add a full [L, R] gradient: O(L x blocks) = O(L^2) traffic)."""
     b, length, _, rank = q_lat.shape
-    grad_latent = torch.zeros(b * length, rank, dtype=torch.promote_types(latent.dtype, torch.float32),
+    grad_latent = torch.zeros(b * latent.shape[1], rank, dtype=torch.promote_types(latent.dtype, torch.float32),
                               device=latent.device)  # fmt: skip
     grad_q = torch.empty_like(q_lat, memory_format=torch.contiguous_format)
     with torch.no_grad():
@@ -282,7 +284,7 @@ def sparse_latent_attention(
     block_bytes: int = ATTENTION_BLOCK_BYTES,
     blind_possible: bool = True,
 ) -> torch.Tensor:
-    """The contract above: q_lat [b, L, h, R], latent [b, L, R], tokens [b, L, W] -> o_lat [b, L, h, R].
+    """The contract above: q_lat [b, L, h, R], latent [b, Lk, R], tokens [b, L, W] -> o_lat [b, L, h, R].
     `impl`: sparse (torch reference) | triton (fused kernels; attention dropout needs the reference)."""
     if impl == "triton" and dropout == 0.0:
         from .sparse_attention_triton import sparse_attention_triton  # lazy: Triton reads TRITON_INTERPRET

@@ -1,8 +1,8 @@
 """The DSA sparse-attention core as custom ops, one per implementation, each with a fake (meta) implementation and
 its backward registered: the model calls them the same way on CUDA, on CPU and on meta tensors (the dry run).
 
-Contract (layers/sparse_attention.py): q_lat [b, L, h, R], latent [b, L, R], tokens [b, L, W] (indices into the L
-keys, -1 = empty) -> o_lat [b, L, h, R], rows without a valid slot 0.
+Contract (layers/sparse_attention.py): q_lat [b, L, h, R], latent [b, Lk, R], tokens [b, L, W] (indices into the Lk
+keys, -1 = empty; Lk >= L) -> o_lat [b, L, h, R], rows without a valid slot 0.
 
 - `glm53::sparse_attention_reference`: the torch reference (`sparse_attention.reference_forward` / `_backward`,
   blocks of `rows` query rows). Keeps q_lat, latent and tokens; recomputes each block in backward.
@@ -34,7 +34,7 @@ IMPLEMENTATIONS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
 def check_contract(q_lat: torch.Tensor, latent: torch.Tensor, tokens: torch.Tensor) -> None:
     b, length, _, rank = q_lat.shape
-    expect_shape("sparse attention latent", latent, (b, length, rank))
+    expect_shape("sparse attention latent", latent, (b, max(length, latent.shape[1]), rank))
     expect_shape("sparse attention tokens", tokens, (b, length, tokens.shape[-1]))
 
 
@@ -138,7 +138,9 @@ _triton_op.register_autograd(_triton_grad, setup_context=_triton_setup)
 def _triton_workspace(grad_out: torch.Tensor, q_lat: torch.Tensor, latent: torch.Tensor, tokens: torch.Tensor,
                       *_: Any) -> fused_kernels.Workspace:  # fmt: skip
     b, length, heads, rank = q_lat.shape
-    return backward_workspace(b, length, heads, rank, tokens.shape[-1], q_lat.dtype)
+    return backward_workspace(
+        b, length, heads, rank, tokens.shape[-1], q_lat.dtype, key_length=latent.shape[1]
+    )
 
 
 fused_kernels.register(fused_kernels.FusedKernel(

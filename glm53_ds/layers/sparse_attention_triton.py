@@ -1,12 +1,13 @@
 """Fused Triton kernels for DSA sparse attention in the absorbed latent form (contract: `sparse_attention.py`).
 
-    q_lat [b, L, h, R], latent [b, L, R], tokens [b, L, W] int32 (-1 = empty) -> o_lat [b, L, h, R]
+    q_lat [b, L, h, R], latent [b, Lk, R], tokens [b, L, W] int32 (into the Lk keys, -1 = empty) -> o_lat [b, L, h, R]
 
 Shaped like FlashMLA's sparse prefill: a query's heads are the rows of its matrix products. One program per query
 holds all of the rank's heads (up to 64: a [64 x R] tile, the M of one Hopper warpgroup MMA, so wgmma on sm_90),
 gathers each selected latent row once for all of them (not once per block of heads), and walks the W slots in
-blocks of `BLOCK_W`. Fewer heads (sequence parallelism leaves 32, 16 or 8 per rank) make a smaller tile (at least
-16 rows: Ampere-style MMAs where the tile is under 64 rows, the same one gather per query).
+blocks of `BLOCK_W`. Fewer heads (a smaller model: sequence parallelism splits the queries, not the heads, mla.py)
+make a smaller tile (at least 16 rows: Ampere-style MMAs where the tile is under 64 rows, the same one gather per
+query).
 
 Forward (`_fwd_kernel`): an online softmax in base 2 (the scale pre-multiplied by log2(e), `exp2`): s = q_lat c^T
 [heads x BLOCK_W], acc = acc * alpha + p c, the accumulator rescaled lazily (only when a block raises some head's
@@ -142,7 +143,7 @@ def _fwd_kernel(
 @triton.jit
 def _bwd_query_kernel(
     q_ptr, c_ptr, t_ptr, do_ptr, lse_ptr, delta_ptr, g_ptr, dq_ptr, dc_ptr,
-    row0, L, W, H, R, scaling,
+    row0, L, LK, W, H, R, scaling,
     s_qb, s_ql, s_qh, s_qr,
     s_cb, s_cl, s_cr,
     s_tb, s_tl, s_tw,
@@ -189,7 +190,7 @@ def _bwd_query_kernel(
         pair = tl.reshape(tl.permute(tl.join(ds, p), (0, 2, 1)), [2 * BLOCK_H, BLOCK_W])  # rows as in qdo
         g_t = _dot(tl.trans(qdo), pair.to(qdo.dtype), UPCAST, PRECISION)  # [BLOCK_R, BLOCK_W]
         if ATOMIC:  # the measured alternative: fp32 reductions straight into d_latent, in no fixed order
-            tl.atomic_add(dc_ptr + (bi * L + tok)[None, :] * R + offs_r[:, None], g_t,
+            tl.atomic_add(dc_ptr + (bi * LK + tok)[None, :] * R + offs_r[:, None], g_t,
                           mask=valid[None, :] & mask_r[:, None], sem="relaxed")  # fmt: skip
         else:
             tl.store(g_ptr + local * W * R + offs_w[None, :] * R + offs_r[:, None], g_t.to(g_ptr.dtype.element_ty),
@@ -201,7 +202,7 @@ def _bwd_query_kernel(
 @triton.jit
 def _bwd_slots_kernel(
     q_ptr, c_ptr, t_ptr, do_ptr, lse_ptr, delta_ptr, g_ptr, ds_ptr, dc_ptr,
-    row0, L, W, H, R, scaling,
+    row0, L, LK, W, H, R, scaling,
     s_qb, s_ql, s_qh, s_qr,
     s_cb, s_cl, s_cr,
     s_tb, s_tl, s_tw,
@@ -255,7 +256,7 @@ def _bwd_slots_kernel(
         g = tl.dot(tl.trans(ds), q, input_precision=PRECISION)  # 3
         g += tl.dot(tl.trans(p), do, input_precision=PRECISION)  # 4
         if ATOMIC:
-            tl.atomic_add(dc_ptr + (bi * L + tok)[:, None] * R + offs_r[None, :], g,
+            tl.atomic_add(dc_ptr + (bi * LK + tok)[:, None] * R + offs_r[None, :], g,
                           mask=valid[:, None] & mask_r[None, :], sem="relaxed")  # fmt: skip
         else:
             tl.store(g_ptr + local * W * R + offs_w[:, None] * R + offs_r[None, :], g,
@@ -429,7 +430,7 @@ def sparse_backward(
         raise ValueError(f"sparse attention kernel backward: latent_grad {latent_grad!r}: sorted or atomic")
     atomic = latent_grad == "atomic"
     b, length, heads, rank = q_lat.shape
-    width = tokens.shape[-1]
+    width, key_length = tokens.shape[-1], latent.shape[1]
     if heads > MAX_HEADS:
         raise ValueError(f"sparse attention kernel backward: {heads} heads per rank; at most {MAX_HEADS} (use "
                          "sequence parallelism, or attention_impl='sparse')")  # fmt: skip
@@ -438,16 +439,16 @@ def sparse_backward(
     grad_out = grad_out.contiguous()
     delta = (grad_out.float() * out.float()).sum(-1).contiguous()  # [b, L, h]
     dq = torch.empty_like(q_lat, memory_format=torch.contiguous_format)
-    d_latent = torch.zeros(b * length, rank, dtype=torch.float32, device=latent.device)
+    d_latent = torch.zeros(b * key_length, rank, dtype=torch.float32, device=latent.device)
     n_rows = b * length
     if n_rows == 0 or width == 0:
-        return dq.zero_(), d_latent.view(b, length, rank).to(latent.dtype)
+        return dq.zero_(), d_latent.view(b, key_length, rank).to(latent.dtype)
     strides = (*_strides(q_lat), *_strides(latent), *_strides(tokens))
     chunk = chunk_rows(width, rank, heads, slot_grad_bytes, q_lat.dtype, slot_gradients=not atomic)
     buffer = buffer_dtype(q_lat.dtype)
     block_r = _latent_block(rank)
     seg_r = min(block_r, 128)
-    empty = n_rows  # the key of an empty slot: sorted last, summed nowhere
+    empty = b * key_length  # the key of an empty slot: sorted last, summed nowhere
     flat = tokens.reshape(n_rows, width)
     for row0 in range(0, n_rows, chunk):
         rows = min(chunk, n_rows - row0)
@@ -455,10 +456,9 @@ def sparse_backward(
         if fp32:
             ds = torch.empty(rows, heads, width, dtype=torch.float32, device=latent.device)
             _bwd_slots_kernel[(rows, triton.cdiv(width, FP32_SLOT_BLOCK))](
-                q_lat, latent, tokens, grad_out, lse, delta, g, ds, d_latent, row0, length, width, heads, rank,
-                scaling, *strides, BLOCK_H=_head_tile(heads),
-                BLOCK_W=FP32_SLOT_BLOCK, BLOCK_R=block_r, SUB_R=min(FP32_SUB_R, block_r), ATOMIC=atomic,
-                PRECISION=precision, num_warps=8,
+                q_lat, latent, tokens, grad_out, lse, delta, g, ds, d_latent, row0, length, key_length, width, heads,
+                rank, scaling, *strides, BLOCK_H=_head_tile(heads), BLOCK_W=FP32_SLOT_BLOCK, BLOCK_R=block_r,
+                SUB_R=min(FP32_SUB_R, block_r), ATOMIC=atomic, PRECISION=precision, num_warps=8,
             )  # fmt: skip
             block_h, _, _, warps = _blocks(heads, rank, q_lat.dtype)
             _bwd_dq_kernel[(rows, triton.cdiv(heads, block_h))](
@@ -469,14 +469,16 @@ def sparse_backward(
         else:
             block_h, block_w, _, warps, stages = _query_blocks(heads, rank, atomic)
             _bwd_query_kernel[(rows,)](
-                q_lat, latent, tokens, grad_out, lse, delta, g, dq, d_latent, row0, length, width, heads, rank,
-                scaling, *strides, BLOCK_H=block_h, BLOCK_W=block_w, BLOCK_R=block_r, EVEN_R=rank == block_r,
+                q_lat, latent, tokens, grad_out, lse, delta, g, dq, d_latent, row0, length, key_length, width,
+                heads, rank, scaling, *strides, BLOCK_H=block_h, BLOCK_W=block_w, BLOCK_R=block_r, EVEN_R=rank == block_r,
                 ATOMIC=atomic, UPCAST=upcast, PRECISION=precision, num_warps=warps, num_stages=stages,
             )  # fmt: skip
         if atomic:
             continue
         # the chunk's references by the key token they read: int32, this chunk's rows only
-        first = torch.arange(row0, row0 + rows, device=tokens.device, dtype=torch.int32) // length * length
+        first = (
+            torch.arange(row0, row0 + rows, device=tokens.device, dtype=torch.int32) // length * key_length
+        )
         part = flat[row0 : row0 + rows]
         keys = torch.where(part >= 0, part + first[:, None], empty).flatten()
         sorted_keys, order = torch.sort(keys, stable=True)
@@ -485,7 +487,7 @@ def sparse_backward(
             g, sorted_keys, order, d_latent, n, rank, empty,
             BLOCK_E=SEGMENT_BLOCK_E, BLOCK_F=SEGMENT_BLOCK_F, BLOCK_R=seg_r,
         )  # fmt: skip
-    return dq, d_latent.view(b, length, rank).to(latent.dtype)
+    return dq, d_latent.view(b, key_length, rank).to(latent.dtype)
 
 
 sparse_attention_op.IMPLEMENTATIONS["triton"] = (sparse_forward, sparse_backward)

@@ -1,12 +1,12 @@
 """Ulysses-style sequence parallelism (SP): one sample's tokens split contiguously over the SP group.
 
 SP rank r of N holds tokens [r * S/N, (r + 1) * S/N) of every sequence of length S. Token-local work (embedding,
-mHC, norms, MLP / MoE, the head and loss) runs on that shard as it is. The sequence mixers trade the token split
-for a head split and back with one all-to-all each way:
+mHC, norms, MLP / MoE, the head and loss) runs on that shard as it is. KDA (and MLA's dense parity path) trades the
+token split for a head split and back with one all-to-all each way:
     seq_to_heads  [b, S/N, H, d] -> [b, S, H/N, d]   (rank r gets heads r*H/N ... of every token)
     heads_to_seq  [b, S, H/N, d] -> [b, S/N, H, d]   (the inverse)
-and `gather_tokens` gives every rank all S tokens of a small per-token tensor (the DSA indexer's keys, selections,
-the key-padding mask). All three are differentiable (comm.py: the backward of an all-to-all is the reverse
+and `gather_tokens` gives every rank all S tokens of a small per-token tensor (the DSA indexer's keys, the MLA
+latent that the sparse attention of a rank's own queries reads, the key-padding mask). All three are differentiable (comm.py: the backward of an all-to-all is the reverse
 all-to-all, of a gather a reduce-scatter). `sum_counts` adds up per-sequence counts over the shards, without
 gradient (the MoE balance loss's routing counts).
 

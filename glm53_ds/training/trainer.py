@@ -257,9 +257,6 @@ class Trainer(ResumeChecks, TrainSteps):
         c = self.config
         try:
             validate_layout(world, c.ep, c.etp, self.cfg, sp=c.sp, seq_length=c.seq_length)
-            if c.sp > 1 and c.indexer_loss_coef > 0:
-                raise ValueError(f"--indexer-loss-coef {c.indexer_loss_coef}: the DSA indexer loss is not "
-                                 "supported under sequence parallelism; set it to 0")  # fmt: skip
         except ValueError as e:
             raise SetupError(f"--ep {c.ep} --etp {c.etp} --sp {c.sp}: {e}") from e
         if not early:

@@ -170,6 +170,29 @@ def test_kernel_chunked_latent_gradient_and_bf16():
         assert a.dtype == torch.bfloat16 and rel_err(a, r) <= 2e-2, (what, rel_err(a, r))
 
 
+@pytest.mark.parametrize(
+    "impl, dtype",
+    [("sparse", torch.float32), pytest.param("triton", torch.float32, marks=pytest.mark.slow),
+     pytest.param("triton", torch.bfloat16, marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_queries_as_parts_of_the_keys_sequence(impl, dtype):
+    """The queries split in two parts (7 and 13 of 20 rows: a rank's own queries under sequence parallelism, mla.py),
+    each against the whole sequence's latent: outputs and dq bitwise those of one call, the latent gradient (summed
+    over the parts by autograd) within rounding (fp32 1e-6, bf16 its rounding of two partial sums). Blind rows
+    average all 20 keys. Before, the contract needed the latent's length to be the queries'."""
+    q, c, tokens = _random_case(length=20, width=10, dtype=dtype)
+
+    def whole(q, c, tokens):
+        return sparse_latent_attention(q, c, tokens, 0.3, impl=impl)
+
+    def parts(q, c, tokens):
+        return torch.cat([whole(q[:, a:e], c, tokens[:, a:e]) for a, e in ((0, 7), (7, 20))], dim=1)
+
+    one, split = _grads(whole, q, c, tokens), _grads(parts, q, c, tokens)
+    assert torch.equal(split[0], one[0]) and torch.equal(split[1], one[1])
+    assert rel_err(split[2], one[2]) <= (1e-6 if dtype == torch.float32 else 1e-2), rel_err(split[2], one[2])
+
+
 def test_blind_rows_average_all_values_with_hf_gradient():
     """A query with no valid slot: the uniform average of every latent, with the gradient of softmax(x - x.detach())
     (what HF's finfo.min mask gives), in both implementations."""
@@ -383,9 +406,9 @@ def test_kernel_at_2048_tokens_with_realistic_selections():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("heads, kpool, bf16", [(16, 16, True), (8, 4, False), (4, 16, False)])
-def test_kernel_at_the_head_counts_of_sequence_parallelism(heads, kpool, bf16):
-    """16 heads and the 8 and 4 a rank keeps under SP 2 and 4 (one 16-row tile, rows masked), kpool 16 and 4, 256
-    tokens at topk 32: fp32 within 1e-5 / 1e-4 of the reference, bf16 within 2e-2."""
+def test_kernel_at_smaller_head_counts(heads, kpool, bf16):
+    """16, 8 and 4 heads (smaller models; one 16-row tile, rows masked), kpool 16 and 4, 256 tokens at topk 32: fp32
+    within 1e-5 / 1e-4 of the reference, bf16 within 2e-2."""
     _against_the_reference(*_realistic_case(256, heads=heads, topk=32, kpool=kpool), bf16=bf16)
 
 
