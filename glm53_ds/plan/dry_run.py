@@ -70,7 +70,8 @@ _INT32_STORAGE_OPS = {
     "alias", "index", "index_select", "gather", "contiguous", "split", "split_with_sizes", "narrow", "lift_fresh",
     "where", "zeros_like", "ones_like", "full_like", "zero_", "flatten", "unflatten", "_reshape_alias",
     "zeros", "new_zeros",
-    # collectives move values between ranks (SP gathers the DSA selections, ints, to every rank of the row)
+    # collectives move values between ranks (SP gathers the key-padding mask and, on the dense path, the DSA
+    # selections: ints, to every rank of the row)
     "allgather_", "_allgather_base_", "alltoall_base_", "alltoall_", "broadcast_",
 }  # fmt: skip
 
