@@ -405,10 +405,11 @@ def test_kernel_at_2048_tokens_with_realistic_selections():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("heads, kpool, bf16", [(16, 16, True), (8, 4, False), (4, 16, False)])
+@pytest.mark.parametrize("heads, kpool, bf16", [(16, 16, True), (8, 16, False)])
 def test_kernel_at_smaller_head_counts(heads, kpool, bf16):
-    """16, 8 and 4 heads (smaller models; one 16-row tile, rows masked), kpool 16 and 4, 256 tokens at topk 32: fp32
-    within 1e-5 / 1e-4 of the reference, bf16 within 2e-2."""
+    """16 and 8 heads (smaller models; one 16-row tile, rows masked at 8), kpool 16 (kpool 4: the 2,048-token test),
+    256 tokens at topk 32: fp32 within 1e-5 / 1e-4 of the reference, bf16 within 2e-2. (4 heads, once the count a
+    rank kept under SP 4, went with the head split: the same tile as 8, more rows masked.)"""
     _against_the_reference(*_realistic_case(256, heads=heads, topk=32, kpool=kpool), bf16=bf16)
 
 
