@@ -292,7 +292,7 @@ class SparseMLA(nn.Module):
             .view(self.num_heads, self.qk_head_dim + self.v_head_dim, self.kv_lora_rank)
             .split([self.qk_head_dim, self.v_head_dim], dim=1)
         )  # [H, dq, R], [H, dv, R]
-        q_lat = None
+        q_lat = keys_lat = None
         if impl in ("dense", "eager"):
             out = self._dense(q, latent, topk, bounds, dropout, impl, blind_possible)  # [b, s, H, dv]
         else:
@@ -321,7 +321,9 @@ class SparseMLA(nn.Module):
             # the target: the main attention of this rank's queries, all heads (the sparse forms' own q_lat; the
             # dense path absorbs it now), over their document's keys (under SP: of the whole row's latent)
             q_lat_target = absorb_query(q.detach(), w_uk.detach()) if q_lat is None else q_lat.detach()
-            keys_target = latent.detach() if sp is None else sp.gather_tokens(latent.detach())  # [b, S, R]
+            if keys_lat is None:  # the dense path gathers no latent: once here
+                keys_lat = latent if sp is None else sp.gather_tokens(latent.detach())
+            keys_target = keys_lat.detach()  # [b, S, R]
             for pools, selection, rows, document in indexed:
                 assert self.indexer is not None
                 target = pooled_attention_mass(
