@@ -65,9 +65,11 @@ def _exit_status(code: Any) -> int:
     return 1
 
 
-def _script_process(script: str, argv: list[str], env: dict[str, str], out_dir: str, name: str) -> None:
-    """`python script argv...` in this forked process: its output in <out_dir>/<name>.out / .err, its exit
-    status as the interpreter's would be, atexit handlers run."""
+def _script_process(
+    script: str, argv: list[str], env: dict[str, str], out_dir: str, name: str, module: bool = False
+) -> None:
+    """`python script argv...` (`python -m script argv...` when `module`) in this forked process: its output in
+    <out_dir>/<name>.out / .err, its exit status as the interpreter's would be, atexit handlers run."""
     with (
         open(os.path.join(out_dir, f"{name}.out"), "wb") as out,
         open(os.path.join(out_dir, f"{name}.err"), "wb") as err,
@@ -77,10 +79,14 @@ def _script_process(script: str, argv: list[str], env: dict[str, str], out_dir: 
     take_environment(env)
     os.chdir(ROOT)
     sys.argv = [script, *argv]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script` puts its folder first
+    # as the interpreter puts the script's folder first, or for `-m` the current directory
+    sys.path[0] = ROOT if module else os.path.dirname(os.path.abspath(script))
     status = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         status = _exit_status(e.code)
     except BaseException:  # noqa: BLE001 - what the interpreter prints and returns for an uncaught exception
@@ -107,9 +113,10 @@ def _stop(procs: list) -> None:  # type: ignore[type-arg]
 
 
 def run_script(script: str, argv: list[str], ranks: int | None = None, env: dict[str, str] | None = None,
-               timeout: float = 900, port: int | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+               timeout: float = 900, port: int | None = None, module: bool = False) -> subprocess.CompletedProcess:  # fmt: skip
     """`python script argv` (ranks None) or DeepSpeed's launcher's `--num_gpus ranks --master_port port script
-    argv`, each process forked from the server; stdout and stderr are the ranks' in rank order."""
+    argv`, each process forked from the server; stdout and stderr are the ranks' in rank order. `module`: `script`
+    is a module run as `python -m script` (the planner's commands)."""
     import tempfile
 
     base = {**os.environ, **(env or {})}
@@ -124,7 +131,7 @@ def run_script(script: str, argv: list[str], ranks: int | None = None, env: dict
                 process_argv = [f"--local_rank={rank}", *argv]
             names.append(f"rank{rank}")
             procs.append(ctx.Process(target=_script_process, args=(script, process_argv, process_env, out_dir,
-                                                                   names[-1])))  # fmt: skip
+                                                                   names[-1], module)))  # fmt: skip
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
@@ -147,7 +154,7 @@ def run_script(script: str, argv: list[str], ranks: int | None = None, env: dict
             return "".join(text)
 
         stdout, stderr = read(".out"), read(".err")
-    command = [sys.executable, script, *argv]
+    command = [sys.executable, *(["-m"] if module else []), script, *argv]
     if timed_out:
         raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr)
     # the launcher exits with the failed rank's status (a signal's negative code as the shell sees it)

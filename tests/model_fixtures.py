@@ -150,8 +150,11 @@ def check_grads_against_hf(
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+    """max |a - b| / max |b|, computed in the wider of the two dtypes and at least fp32 (the difference of two
+    nearby fp32 numbers is exact in fp32: no fp64 copies of a 734M-element gradient, tests/test_real_width.py)."""
+    dtype = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    a, b = a.to(dtype), b.to(dtype)
+    return ((a - b).abs().max().double() / b.abs().max().double().clamp_min(1e-30)).item()
 
 
 def add_mtp_tensors(path, seed: int = 7) -> dict[str, torch.Tensor]:

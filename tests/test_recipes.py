@@ -9,13 +9,11 @@ import json
 import os
 import re
 import shlex
-import subprocess
-import sys
 
 import pytest
 
 from glm53_ds.training.presets import preset
-from tests.cli import ROOT, train_config
+from tests.cli import ROOT, module_run, train_config
 
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.toml")))
 # the planner's flags a command may give beside --config (the trainer spells them the same)
@@ -38,8 +36,7 @@ def docs_commands() -> list[str]:
 
 
 def _plan(*args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "glm53_ds.plan", *args, "--json"], capture_output=True, text=True,
-                          cwd=ROOT, timeout=600)  # fmt: skip
+    proc = module_run("glm53_ds.plan", *args, "--json", timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout)
 
@@ -101,7 +98,7 @@ def test_the_planner_reads_a_run_file(tmp_path):
     from glm53_ds.plan.__main__ import run_file_arguments
 
     run = tmp_path / "run.toml"
-    run.write_text('[model]\nmodel_config = "tiny"\n[parallelism]\nep = 2\n[data]\nseq_length = 128\n'
+    run.write_text('[model]\nmodel_config = "tiny"\nloss_chunk_mib = 0\n[parallelism]\nep = 2\n[data]\nseq_length = 128\n'
                    '[deepspeed]\ndeepspeed_config = "ds_configs/zero1_bf16.json"\n[planning]\ngpus = 4\n')  # fmt: skip
     cwd = os.getcwd()
     os.chdir(ROOT)
@@ -116,6 +113,8 @@ def test_the_planner_reads_a_run_file(tmp_path):
         "2",
         "--seq-length",
         "128",
+        "--loss-chunk-mib",
+        "0",
         "--zero",
         "1",
         "--world",
@@ -123,8 +122,7 @@ def test_the_planner_reads_a_run_file(tmp_path):
     ]
     bad = tmp_path / "bad.toml"
     bad.write_text("[parallelism]\nexperts = 2\n")
-    proc = subprocess.run([sys.executable, "-m", "glm53_ds.plan", "--config", str(bad)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=300)  # fmt: skip
+    proc = module_run("glm53_ds.plan", "--config", str(bad), timeout=300)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
         f"error: --config {bad}: [parallelism] has no key 'experts'"
     )

@@ -2,7 +2,7 @@
 
     python -m glm53_ds.plan --model-config glm-5.3-flash --world 64 --ep 32 --etp 2 --zero 2 --seq-length 8192
         [--sp S] [--micro-batch-size M] [--recompute none|selective|full] [--lora-rank 16] [--fp32]
-        [--gpu-memory 141GB] [--json]
+        [--moe-tile-mib N] [--loss-chunk-mib 256] [--gpu-memory 141GB] [--json]
     python -m glm53_ds.plan --search --seq-length 32768 [--lora-rank 16] [--gpu-memory 80GB]
     python -m glm53_ds.plan --config recipes/lora_r16_8xh200_8k.toml  # the trainer's run file ([planning] gpus)
 
@@ -34,6 +34,7 @@ from ..training.run_plan import default_deepspeed_config, zero_stage_and_bf16
 from .activations import plan_activations
 from .cli import check_numbers
 from .counts import KINDS, count_parameters
+from .dry_run import LOSS_CHUNK_MIB
 from .memory import (
     RESERVE_FRACTION,
     WORLDS,
@@ -73,6 +74,7 @@ def run_file_arguments(path: str) -> list[str]:
             out += [f"--{name.replace('_', '-')}", str(given[name])]
     out += ["--offload-activations"] if given.get("offload_activations") else []
     out += ["--moe-tile-mib", str(given["moe_tile_mib"])] if given.get("moe_tile_mib") else []
+    out += ["--loss-chunk-mib", str(given["loss_chunk_mib"])] if "loss_chunk_mib" in given else []
     ds = default_deepspeed_config(on_gpu=True)  # the trainer's, on the GPUs the run is planned for
     if given.get("deepspeed_config"):
         try:
@@ -92,7 +94,8 @@ def run_file_arguments(path: str) -> list[str]:
 # The trainer's options the planner takes, and its defaults for them (the released model's usual run, not the
 # tiny CPU job's).
 PLANNER_DEFAULTS = dict(ep=1, etp=1, sp=1, seq_length=8192, micro_batch_size=1, recompute="none", lora_rank=0,
-                        no_mtp=False, offload_activations=False, moe_tile_mib=0, gpu_memory="141GB")  # fmt: skip
+                        no_mtp=False, offload_activations=False, moe_tile_mib=0, loss_chunk_mib=LOSS_CHUNK_MIB,
+                        gpu_memory="141GB")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=UserWarning)  # megatron's notices about optional kernels
     try:
         check_numbers(args, dict(world=1, ep=1, etp=1, sp=1, seq_length=1, micro_batch_size=1, lora_rank=0,
-                                 moe_tile_mib=0))  # fmt: skip
+                                 moe_tile_mib=0, loss_chunk_mib=0))  # fmt: skip
         cfg = named_config(args.model_config)
         if args.no_mtp:
             cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
@@ -136,11 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         validate_layout(args.world, args.ep, args.etp, cfg, sp=args.sp, seq_length=args.seq_length)
         check_offload(args.offload_activations, args.recompute)
         layout = Layout(args.world, args.ep, args.etp, args.sp, args.zero, args.recompute, args.offload_activations,
-                        args.moe_tile_mib)  # fmt: skip
+                        args.moe_tile_mib, args.loss_chunk_mib)  # fmt: skip
         # the trace first: it joins the layout's fake world, in which the counts' meta build runs too
         profile = plan_activations(cfg, args.seq_length, args.micro_batch_size, args.ep, args.etp, args.sp,
                                    args.recompute, args.lora_rank, args.offload_activations,
-                                   args.moe_tile_mib)  # fmt: skip
+                                   args.moe_tile_mib, args.loss_chunk_mib)  # fmt: skip
         counts = count_parameters(cfg, args.ep, args.etp, lora_rank=args.lora_rank)
         memory = rank_memory(cfg, layout, args.seq_length, args.micro_batch_size, gpu, counts, bf16=not args.fp32,
                              lora_rank=args.lora_rank, profile=profile)  # fmt: skip
@@ -151,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model_config, "world": args.world, "ep": args.ep, "etp": args.etp, "sp": args.sp,
         "zero": args.zero, "dtype": "fp32" if args.fp32 else "bf16", "lora_rank": args.lora_rank,
         "offload_activations": args.offload_activations, "moe_tile_mib": args.moe_tile_mib,
+        "loss_chunk_mib": args.loss_chunk_mib,
         "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size, "recompute": args.recompute,
         "parameters": {"total": counts.total, "active": counts.active, "trained": counts.trained,
                        "frozen": counts.frozen, "buffers": counts.buffers},
@@ -209,7 +213,7 @@ def _search(args: argparse.Namespace, cfg: Glm53Config, gpu: int) -> int:
     worlds = (args.world,) if args.world else WORLDS
     progress = None if args.json else (lambda line: print(f"searching: {line}", file=sys.stderr, flush=True))
     found = search(cfg, args.seq_length, args.micro_batch_size, gpu, bf16=not args.fp32, lora_rank=args.lora_rank,
-                   worlds=worlds, progress=progress)  # fmt: skip
+                   worlds=worlds, progress=progress, loss_chunk_mib=args.loss_chunk_mib)  # fmt: skip
     bf16 = not args.fp32
     what = (
         f"{'LoRA rank ' + str(args.lora_rank) if args.lora_rank else 'full fine-tuning'}, "

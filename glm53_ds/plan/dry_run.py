@@ -1,6 +1,7 @@
 """A real-size dry run on meta tensors: one rank of a layout, the released model, forward and backward, shape by shape.
 
     python -m glm53_ds.plan.dry_run --ep 32 --etp 2 --seq-length 131072 [--sp 8] [--gpt-model] [--lora-rank 16]
+        [--loss-chunk-mib 256]
 
 No GPU and no memory: the model is built on the meta device as rank `--rank` of the smallest world that holds
 EP x ETP x SP (EP may span the SP ranks: parallel/layout.py), joined
@@ -54,6 +55,7 @@ from ..parallel.layout import smallest_world, validate_layout
 from ..specs import get_glm53_block_spec, get_glm53_mtp_block_spec
 from ..training.config import TrainConfig, check_seq_length, recompute_overrides
 from ..training.model_converters import apply_converters, model_converters
+from ..training.options import add_options, say_defaults
 from ..training.presets import PRESETS, named_config
 from ..transformer_config import make_transformer_config
 from .cli import check_numbers
@@ -159,6 +161,7 @@ DRY_RUN_SCORE_BLOCK_BYTES = 2**34  # 16 GiB blocks of index scores: 64 blocks pe
 def dry_run(
     cfg: Glm53Config, seq_length: int, ep: int = 1, etp: int = 1, rank: int = 0, micro_batch: int = 1,
     lora_rank: int = 0, gpt_model: bool = False, name: str = "model", sp: int = 1,
+    loss_chunk_mib: int = LOSS_CHUNK_MIB,
 ) -> DryRun:  # fmt: skip
     """Rank `rank` of the smallest world holding EP x ETP x SP (a fake world, joined here), forward + backward on
     meta; under SP the rank gets whole rows and runs its shard, as the trainer's ranks do."""
@@ -170,7 +173,8 @@ def dry_run(
     report = DryRun(name, seq_length, micro_batch, ep, etp, rank, lora_rank, gpt_model, sp)
     start = time.perf_counter()
     model, shard = rank_model_on_meta(cfg, ep, etp, sp, rank=rank, lora_rank=lora_rank,
-                                      gpt_model_length=seq_length if gpt_model else 0)  # fmt: skip
+                                      gpt_model_length=seq_length if gpt_model else 0,
+                                      loss_chunk_mib=loss_chunk_mib)  # fmt: skip
     report.seconds["build"] = time.perf_counter() - start
     report.parameters_held = sum(p.numel() for p in model.parameters())
     planned = count_parameters(cfg, ep, etp, lora_rank=lora_rank)
@@ -221,9 +225,11 @@ def dry_run(
 def rank_model_on_meta(
     cfg: Glm53Config, ep: int = 1, etp: int = 1, sp: int = 1, rank: int = 0, lora_rank: int = 0,
     recompute: str = "none", gpt_model_length: int = 0, offload_activations: bool = False, moe_tile_mib: int = 0,
+    loss_chunk_mib: int = LOSS_CHUNK_MIB,
 ) -> tuple[torch.nn.Module, Any]:  # fmt: skip
     """Rank `rank` of the smallest fake world that holds EP x ETP x SP (joined here; `layout.smallest_world`): its model as the trainer builds it (bf16,
-    the LoRA adapters and trainable set of a run, the `--recompute` mode, activation offload and MoE tiles), on the meta
+    the LoRA adapters and trainable set of a run, the `--recompute` mode, activation offload, MoE tiles and the loss
+    head's chunk), on the meta
     device, and its expert shard.
     `gpt_model_length` > 0: a stock megatron `GPTModel` from the specs for sequences of that length instead."""
     fake_world(smallest_world(ep, etp, sp), rank)
@@ -231,7 +237,7 @@ def rank_model_on_meta(
     gpt_model = gpt_model_length > 0
     tconfig = make_transformer_config(cfg, torch.bfloat16, mtp=gpt_model and cfg.num_nextn_predict_layers > 0,
                                       expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-                                      perform_initialization=False, loss_chunk_bytes=LOSS_CHUNK_MIB * 2**20,
+                                      perform_initialization=False, loss_chunk_bytes=loss_chunk_mib * 2**20,
                                       offload_activations=offload_activations, moe_tile_bytes=moe_tile_mib * 2**20,
                                       **recompute_overrides(recompute))  # fmt: skip
     with torch.device("meta"):
@@ -292,12 +298,13 @@ def main(argv: list[str] | None = None) -> int:
         "--gpt-model", action="store_true", help="through a stock megatron GPTModel from the specs"
     )
     p.add_argument("--layers", type=int, default=0, help="only the first N decoder layers (0: all)")
+    add_options(p, TrainConfig, names=("loss_chunk_mib",), defaults=dict(loss_chunk_mib=LOSS_CHUNK_MIB))
+    say_defaults(p, dict(loss_chunk_mib=LOSS_CHUNK_MIB))
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = p.parse_args(argv)
     try:
-        check_numbers(
-            args, dict(ep=1, etp=1, sp=1, seq_length=1, micro_batch_size=1, lora_rank=0, layers=0, rank=0)
-        )
+        check_numbers(args, dict(ep=1, etp=1, sp=1, seq_length=1, micro_batch_size=1, lora_rank=0, layers=0, rank=0,
+                                 loss_chunk_mib=0))  # fmt: skip
         world = smallest_world(args.ep, args.etp, args.sp)
         if args.rank >= world:
             raise ValueError(f"--rank {args.rank} is outside the world of {world} ranks of EP {args.ep} x ETP "
@@ -306,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.layers:
             cfg = first_layers(cfg, args.layers)
         report = dry_run(cfg, args.seq_length, args.ep, args.etp, args.rank, args.micro_batch_size, args.lora_rank,
-                         args.gpt_model, name=args.model_config, sp=args.sp)  # fmt: skip
+                         args.gpt_model, name=args.model_config, sp=args.sp,
+                         loss_chunk_mib=args.loss_chunk_mib)  # fmt: skip
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

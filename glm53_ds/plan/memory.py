@@ -26,7 +26,7 @@ from ..parallel import init_layout
 from ..parallel.layout import validate_layout
 from .activations import MTP_KIND, ActivationProfile, layer_kinds, plan_activations
 from .counts import ParameterCounts, count_parameters
-from .dry_run import fake_world
+from .dry_run import LOSS_CHUNK_MIB, fake_world
 from .state import StateBytes, state_bytes
 
 REDUCE_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed 0.19.8's default reduce_bucket_size (elements)
@@ -50,11 +50,18 @@ class Layout:
     recompute: str
     offload_activations: bool = False  # full recompute's kept layer inputs in host memory
     moe_tile_mib: int = 0  # the MoE over tiles of tokens (0: untiled)
+    # the loss head's chunk of fp32 logits (0: materialised [tokens, vocab] logits)
+    loss_chunk_mib: int = LOSS_CHUNK_MIB
 
     def __str__(self) -> str:
         return (f"world {self.world}: EP {self.ep} x ETP {self.etp} x SP {self.sp}, ZeRO {self.zero}, "
                 f"recompute {self.recompute}{', activations offloaded' if self.offload_activations else ''}"
-                f"{f', MoE tiles of {self.moe_tile_mib} MiB' if self.moe_tile_mib else ''}")  # fmt: skip
+                f"{f', MoE tiles of {self.moe_tile_mib} MiB' if self.moe_tile_mib else ''}"
+                f"{'' if self.loss_chunk_mib == LOSS_CHUNK_MIB else f', {self._loss_head()}'}")  # fmt: skip
+
+    def _loss_head(self) -> str:
+        return (f"loss chunks of {self.loss_chunk_mib} MiB" if self.loss_chunk_mib > 0
+                else "materialised logits")  # fmt: skip
 
     def deepspeed_config(self, bf16: bool = True) -> str:
         """The shipped DeepSpeed config of this ZeRO stage and dtype (ds_configs/)."""
@@ -71,6 +78,7 @@ class Layout:
         return (f"--ep {self.ep} --etp {self.etp} --sp {self.sp} --recompute {self.recompute} "
                 f"{'--offload-activations ' if self.offload_activations else ''}"
                 f"{f'--moe-tile-mib {self.moe_tile_mib} ' if self.moe_tile_mib else ''}"
+                f"{'' if self.loss_chunk_mib == LOSS_CHUNK_MIB else f'--loss-chunk-mib {self.loss_chunk_mib} '}"
                 f"--deepspeed_config {self.deepspeed_config(bf16)}")  # fmt: skip
 
     def config_section(self, bf16: bool = True) -> str:
@@ -79,6 +87,7 @@ class Layout:
                 f"[model]\nrecompute = \"{self.recompute}\"\n"
                 f"{'offload_activations = true' + chr(10) if self.offload_activations else ''}"
                 f"{f'moe_tile_mib = {self.moe_tile_mib}' + chr(10) if self.moe_tile_mib else ''}"
+                f"{'' if self.loss_chunk_mib == LOSS_CHUNK_MIB else f'loss_chunk_mib = {self.loss_chunk_mib}' + chr(10)}"
                 f"[deepspeed]\ndeepspeed_config = \"{self.deepspeed_config(bf16)}\"")  # fmt: skip
 
 
@@ -124,7 +133,7 @@ def rank_memory(
     if profile is None:
         profile = plan_activations(cfg, seq_length, micro_batch, layout.ep, layout.etp, layout.sp,
                                    layout.recompute, lora_rank, layout.offload_activations,
-                                   layout.moe_tile_mib)  # fmt: skip
+                                   layout.moe_tile_mib, layout.loss_chunk_mib)  # fmt: skip
     if counts is None:
         counts = count_parameters(cfg, layout.ep, layout.etp, lora_rank=lora_rank,
                                   mtp=cfg.num_nextn_predict_layers > 0)  # fmt: skip
@@ -157,11 +166,12 @@ def search(
     cfg: Glm53Config, seq_length: int, micro_batch: int, gpu: int, bf16: bool = True, lora_rank: int = 0,
     worlds: tuple[int, ...] = WORLDS, zero_stages: tuple[int, ...] = (1, 2),
     recompute_modes: tuple[str, ...] = RECOMPUTE_ORDER, max_sp: int = 16, max_etp: int = 8, show: int = 10,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, loss_chunk_mib: int = LOSS_CHUNK_MIB,
 ) -> SearchResult:  # fmt: skip
     """The smallest world (of `worlds`, in GPUs) at which some layout fits, and up to `show` layouts that fit
     there, the cheapest first: less recompute, less SP, less ETP, then less memory; when nothing fits, the nearest
-    miss. `progress`: called with one line per world searched.
+    miss. `progress`: called with one line per world searched. `loss_chunk_mib`: the run's loss head (kept in
+    every layout, not searched).
 
     Layouts: EP, ETP and SP powers of two that divide the experts, their FFN width, the heads and the length (EP
     may span the SP ranks: the world divisible by ETP x SP and by ETP x EP); ZeRO 1 and 2; each recompute mode,
@@ -199,9 +209,13 @@ def search(
                     key = (ep, etp, sp, recompute, offload)
                     if key not in profiles:
                         profiles[key] = plan_activations(cfg, seq_length, micro_batch, ep, etp, sp, recompute,
-                                                         lora_rank, offload_activations=offload)  # fmt: skip
-                    memory = rank_memory(cfg, Layout(world, ep, etp, sp, zero, recompute, offload), seq_length,
-                                         micro_batch, gpu, counts, bf16, lora_rank, profiles[key])  # fmt: skip
+                                                         lora_rank, offload_activations=offload,
+                                                         loss_chunk_mib=loss_chunk_mib)  # fmt: skip
+                    layout = Layout(
+                        world, ep, etp, sp, zero, recompute, offload, loss_chunk_mib=loss_chunk_mib
+                    )
+                    memory = rank_memory(cfg, layout, seq_length, micro_batch, gpu, counts, bf16, lora_rank,
+                                         profiles[key])  # fmt: skip
                     traced += 1
                     if memory.fits:
                         fitting.append(memory)
@@ -221,9 +235,9 @@ def what_would_fit(
     cfg: Glm53Config, memory: RankMemory, seq_length: int, micro_batch: int, bf16: bool = True, lora_rank: int = 0,
 ) -> list[str]:  # fmt: skip
     """For a layout that does not fit: each single change that makes it fit (more recompute, ZeRO 2, SP, twice the
-    GPUs at the same EP x ETP, half the row, activation offload under full recompute), else each pair (full
-    recompute with SP, with twice the GPUs, or with activation offload), as a line naming the trainer's flags and
-    the total it gives."""
+    GPUs at the same EP x ETP, half the row, activation offload under full recompute, the default loss chunk where
+    the run materialises its logits or takes larger chunks), else each pair (full recompute with SP, with twice the
+    GPUs, or with activation offload), as a line naming the trainer's flags and the total it gives."""
     layout = memory.layout
     full = dataclasses.replace(layout, recompute="full", zero=max(layout.zero, 1))
     singles: list[tuple[str, Layout, int]] = [
@@ -242,6 +256,11 @@ def what_would_fit(
         (f"{2 * layout.world} GPUs", dataclasses.replace(layout, world=2 * layout.world), seq_length)
     )
     singles.append((f"--seq-length {seq_length // 2}", layout, seq_length // 2))
+    if (
+        layout.loss_chunk_mib == 0 or layout.loss_chunk_mib > LOSS_CHUNK_MIB
+    ):  # materialised or large logit chunks
+        singles.append((f"--loss-chunk-mib {LOSS_CHUNK_MIB}",
+                        dataclasses.replace(layout, loss_chunk_mib=LOSS_CHUNK_MIB), seq_length))  # fmt: skip
     if layout.recompute == "full" and not layout.offload_activations:
         singles.append(
             ("--offload-activations", dataclasses.replace(layout, offload_activations=True), seq_length)

@@ -18,7 +18,7 @@ from glm53_ds.convert import hf_to_native, native_to_hf, verify
 from glm53_ds.convert.export_hf import load_native
 from glm53_ds.convert.fp8 import quantize_fp8
 from glm53_ds.convert.import_hf import ConversionError
-from tests.cli import ROOT
+from tests.cli import ROOT, module_run
 from tests.model_fixtures import CONFIG_A, add_mtp_tensors, load_hf_reference, rel_err, save_tiny_hf
 
 
@@ -69,17 +69,14 @@ def test_transformers_loads_the_export_and_native_loads_in_glm53(hf_with_mtp, tm
 
 @pytest.mark.slow
 def test_cli_and_existing_output(hf_with_mtp, tmp_path):
-    run = [sys.executable, "-m", "glm53_ds.convert"]
     native, hf2 = str(tmp_path / "native"), str(tmp_path / "hf2")
-    assert subprocess.run([*run, "hf-to-native", "--hf-dir", str(hf_with_mtp), "--out", native, "--ep", "2"],
-                          cwd=ROOT, capture_output=True).returncode == 0  # fmt: skip
-    proc = subprocess.run([*run, "hf-to-native", "--hf-dir", str(hf_with_mtp), "--out", native], cwd=ROOT,
-                          capture_output=True, text=True)  # fmt: skip
+    assert module_run("glm53_ds.convert", "hf-to-native", "--hf-dir", str(hf_with_mtp), "--out", native,
+                      "--ep", "2").returncode == 0  # fmt: skip
+    proc = module_run("glm53_ds.convert", "hf-to-native", "--hf-dir", str(hf_with_mtp), "--out", native)
     assert proc.returncode == 2 and "exists and is not empty; refusing to overwrite" in proc.stderr
-    assert subprocess.run([*run, "native-to-hf", "--ckpt", native, "--out", hf2, "--hf-template", str(hf_with_mtp)],
-                          cwd=ROOT, capture_output=True).returncode == 0  # fmt: skip
-    proc = subprocess.run([*run, "verify", "--hf-dir", str(hf_with_mtp), "--ckpt", native], cwd=ROOT,
-                          capture_output=True, text=True)  # fmt: skip
+    assert module_run("glm53_ds.convert", "native-to-hf", "--ckpt", native, "--out", hf2, "--hf-template",
+                      str(hf_with_mtp)).returncode == 0  # fmt: skip
+    proc = module_run("glm53_ds.convert", "verify", "--hf-dir", str(hf_with_mtp), "--ckpt", native)
     assert proc.returncode == 0 and "max difference: 0" in proc.stdout
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from glm53_ds.plan import count_parameters, state_bytes
 from glm53_ds.plan.__main__ import main as plan_main
 from glm53_ds.training.presets import glm53_flash, tiny
 from glm53_ds.training.trainable import select_trainable
+from tests.cli import module_run
 from tests.dist_harness import run_world
 
 DS = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
@@ -130,8 +130,7 @@ def test_partitions_per_rank_at_ep2_over_four_ranks(tmp_path):
 
 def _plan(*args: str) -> dict:
     """The planner as a user runs it (its activation trace joins a fake world: its own process)."""
-    run = subprocess.run([sys.executable, "-m", "glm53_ds.plan", *args, "--json"], capture_output=True, text=True,
-                         timeout=600)  # fmt: skip
+    run = module_run("glm53_ds.plan", *args, "--json", timeout=600)
     assert run.returncode in (0, 1), run.stderr[-3000:]
     assert len(run.stdout.strip().splitlines()) == 1, run.stdout  # one JSON object and nothing else on stdout
     return json.loads(run.stdout)
@@ -203,8 +202,7 @@ def test_search_in_a_given_world_and_the_trainers_language():
     stderr, each layout comes as the trainer's flags, and a miss names what would fit."""
 
     def plan(*args: str) -> subprocess.CompletedProcess:  # its own process: the trace joins a fake world
-        return subprocess.run([sys.executable, "-m", "glm53_ds.plan", *args], capture_output=True, text=True,
-                              timeout=600)  # fmt: skip
+        return module_run("glm53_ds.plan", *args, timeout=600)
 
     out = plan(
         "--model-config", "tiny", "--search", "--world", "4", "--seq-length", "128", "--gpu-memory", "4GB"
@@ -230,7 +228,8 @@ def test_the_released_models_activations_grow_with_the_tokens_and_shrink_with_sp
     """GLM-5.3-Flash at EP 32 x ETP 2 (meta): kept activations 4x from 8k to 32k tokens (within 1%), a quarter at
     SP 4 (within 10%: SP's all-to-all buffers); full recompute keeps less than selective, selective less than
     none."""
-    base = ["--world", "256", "--ep", "32", "--etp", "2", "--zero", "2"]
+    # a GPU every layout fits: the kept bytes are what is compared, not the planner's hints (a trace each)
+    base = ["--world", "256", "--ep", "32", "--etp", "2", "--zero", "2", "--gpu-memory", "100000GB"]
     kept = {}
     for length, sp, mode in [(8192, 1, "none"), (32768, 1, "none"), (32768, 4, "none"), (8192, 1, "selective"),
                              (8192, 1, "full")]:  # fmt: skip
@@ -239,3 +238,34 @@ def test_the_released_models_activations_grow_with_the_tokens_and_shrink_with_sp
     assert abs(kept[(32768, 1, "none")] / kept[(8192, 1, "none")] - 4) < 0.04
     assert abs(kept[(32768, 4, "none")] / kept[(32768, 1, "none")] - 0.25) < 0.025
     assert kept[(8192, 1, "full")] < kept[(8192, 1, "selective")] < kept[(8192, 1, "none")]
+
+
+@pytest.mark.slow
+def test_the_runs_loss_chunk_is_planned():
+    """`--loss-chunk-mib` (the trainer's option) is traced as given: the released model at 8k tokens with
+    materialised logits (0) needs at least their fp32 [tokens, vocab] more than with the default chunk; on a GPU
+    between the two it does not fit, and the planner names the default chunk as what fits; the run's flags carry
+    the chunk. Control: the planner had no such option and planned a run file's chunk as the default one."""
+    cfg = glm53_flash()
+    base = [
+        "--world",
+        "64",
+        "--ep",
+        "32",
+        "--etp",
+        "2",
+        "--zero",
+        "2",
+        "--seq-length",
+        "8192",
+        "--recompute",
+        "full",
+    ]
+    chunked = _plan(*base, "--gpu-memory", "100000GB")["memory"]["total"]
+    gpu = int((chunked + 2**30) / 0.92)  # the default chunk fits with 1 GiB to spare (RESERVE_FRACTION 0.08)
+    materialised = _plan(*base, "--loss-chunk-mib", "0", "--gpu-memory", f"{gpu}B")
+    assert materialised["memory"]["total"] - chunked >= 8192 * cfg.vocab_size * 4
+    assert not materialised["memory"]["fits"] and "--loss-chunk-mib 0 " in materialised["trainer_flags"]
+    assert any(hint.startswith("--loss-chunk-mib 256: ") for hint in materialised["would_fit"]), materialised[
+        "would_fit"
+    ]
