@@ -98,7 +98,8 @@ def test_the_planner_reads_a_run_file(tmp_path):
     from glm53_ds.plan.__main__ import run_file_arguments
 
     run = tmp_path / "run.toml"
-    run.write_text('[model]\nmodel_config = "tiny"\nloss_chunk_mib = 0\n[parallelism]\nep = 2\n[data]\nseq_length = 128\n'
+    run.write_text('[model]\nmodel_config = "tiny"\nloss_chunk_mib = 0\nindexer_loss_coef = 0.1\n'
+                   '[parallelism]\nep = 2\n[data]\nseq_length = 128\n'
                    '[deepspeed]\ndeepspeed_config = "ds_configs/zero1_bf16.json"\n[planning]\ngpus = 4\n')  # fmt: skip
     cwd = os.getcwd()
     os.chdir(ROOT)
@@ -113,6 +114,8 @@ def test_the_planner_reads_a_run_file(tmp_path):
         "2",
         "--seq-length",
         "128",
+        "--indexer-loss-coef",
+        "0.1",
         "--loss-chunk-mib",
         "0",
         "--zero",

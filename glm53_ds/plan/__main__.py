@@ -26,7 +26,7 @@ from ..config import Glm53Config
 from ..parallel.layout import validate_layout
 from ..training.args import build_parser
 from ..training.config import TrainConfig, check_seq_length
-from ..training.option_checks import check_offload
+from ..training.option_checks import check_offload, check_recompute_losses
 from ..training.options import add_options, say_defaults
 from ..training.presets import PRESETS, named_config
 from ..training.run_file import config_path, read_config
@@ -69,7 +69,8 @@ def run_file_arguments(path: str) -> list[str]:
     if given.get("load") and not (given.get("hf_dir") or given.get("model_config")):
         raise ValueError(f"--config {path}: the model is --load's; give [model] model_config for the planner")
     out = ["--model-config", given.get("hf_dir") or given.get("model_config") or "tiny"]
-    for name in ("ep", "etp", "sp", "seq_length", "micro_batch_size", "recompute", "lora_rank"):
+    for name in ("ep", "etp", "sp", "seq_length", "micro_batch_size", "recompute", "lora_rank",
+                 "indexer_loss_coef"):  # fmt: skip
         if name in given:
             out += [f"--{name.replace('_', '-')}", str(given[name])]
     out += ["--offload-activations"] if given.get("offload_activations") else []
@@ -95,7 +96,7 @@ def run_file_arguments(path: str) -> list[str]:
 # tiny CPU job's).
 PLANNER_DEFAULTS = dict(ep=1, etp=1, sp=1, seq_length=8192, micro_batch_size=1, recompute="none", lora_rank=0,
                         no_mtp=False, offload_activations=False, moe_tile_mib=0, loss_chunk_mib=LOSS_CHUNK_MIB,
-                        gpu_memory="141GB")  # fmt: skip
+                        indexer_loss_coef=0.0, gpu_memory="141GB")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=UserWarning)  # megatron's notices about optional kernels
     try:
         check_numbers(args, dict(world=1, ep=1, etp=1, sp=1, seq_length=1, micro_batch_size=1, lora_rank=0,
-                                 moe_tile_mib=0, loss_chunk_mib=0))  # fmt: skip
+                                 moe_tile_mib=0, loss_chunk_mib=0, indexer_loss_coef=0))  # fmt: skip
         cfg = named_config(args.model_config)
         if args.no_mtp:
             cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
@@ -138,15 +139,18 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--world is required (or --search for the smallest layouts that fit)")
         validate_layout(args.world, args.ep, args.etp, cfg, sp=args.sp, seq_length=args.seq_length)
         check_offload(args.offload_activations, args.recompute)
+        check_recompute_losses(args.recompute, 0.0, args.indexer_loss_coef)
         layout = Layout(args.world, args.ep, args.etp, args.sp, args.zero, args.recompute, args.offload_activations,
                         args.moe_tile_mib, args.loss_chunk_mib)  # fmt: skip
         # the trace first: it joins the layout's fake world, in which the counts' meta build runs too
         profile = plan_activations(cfg, args.seq_length, args.micro_batch_size, args.ep, args.etp, args.sp,
                                    args.recompute, args.lora_rank, args.offload_activations,
-                                   args.moe_tile_mib, args.loss_chunk_mib)  # fmt: skip
-        counts = count_parameters(cfg, args.ep, args.etp, lora_rank=args.lora_rank)
+                                   args.moe_tile_mib, args.loss_chunk_mib, args.indexer_loss_coef)  # fmt: skip
+        counts = count_parameters(cfg, args.ep, args.etp, lora_rank=args.lora_rank,
+                                  train_indexer=args.indexer_loss_coef > 0)  # fmt: skip
         memory = rank_memory(cfg, layout, args.seq_length, args.micro_batch_size, gpu, counts, bf16=not args.fp32,
-                             lora_rank=args.lora_rank, profile=profile)  # fmt: skip
+                             lora_rank=args.lora_rank, profile=profile,
+                             indexer_loss_coef=args.indexer_loss_coef)  # fmt: skip
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -154,15 +158,16 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model_config, "world": args.world, "ep": args.ep, "etp": args.etp, "sp": args.sp,
         "zero": args.zero, "dtype": "fp32" if args.fp32 else "bf16", "lora_rank": args.lora_rank,
         "offload_activations": args.offload_activations, "moe_tile_mib": args.moe_tile_mib,
-        "loss_chunk_mib": args.loss_chunk_mib,
+        "loss_chunk_mib": args.loss_chunk_mib, "indexer_loss_coef": args.indexer_loss_coef,
         "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size, "recompute": args.recompute,
         "parameters": {"total": counts.total, "active": counts.active, "trained": counts.trained,
                        "frozen": counts.frozen, "buffers": counts.buffers},
         "bytes_per_rank": memory.state.as_dict(), "memory": memory.as_dict(), "gpu_memory": gpu,
     }  # fmt: skip
-    result["trainer_flags"] = layout.trainer_flags(bf16=not args.fp32)
+    result["trainer_flags"] = layout.trainer_flags(bf16=not args.fp32) + _run_flags(args)
     hints = [] if memory.fits else what_would_fit(cfg, memory, args.seq_length, args.micro_batch_size,
-                                                  bf16=not args.fp32, lora_rank=args.lora_rank)  # fmt: skip
+                                                  bf16=not args.fp32, lora_rank=args.lora_rank,
+                                                  indexer_loss_coef=args.indexer_loss_coef)  # fmt: skip
     result["would_fit"] = hints
     if args.json:
         print(json.dumps(result))
@@ -181,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     if memory.fits:
         print(f"the trainer's flags: deepspeed launch/train.py {layout.trainer_flags(bf16=not args.fp32)} "
               f"--seq-length {args.seq_length} --micro-batch-size {args.micro_batch_size}"
-              + (f" --lora-rank {args.lora_rank}" if args.lora_rank else ""))  # fmt: skip
+              + (f" --lora-rank {args.lora_rank}" if args.lora_rank else "") + _run_flags(args))  # fmt: skip
     elif hints:
         print("it would fit with any one of: " + "; ".join(hints))
     else:
@@ -213,7 +218,8 @@ def _search(args: argparse.Namespace, cfg: Glm53Config, gpu: int) -> int:
     worlds = (args.world,) if args.world else WORLDS
     progress = None if args.json else (lambda line: print(f"searching: {line}", file=sys.stderr, flush=True))
     found = search(cfg, args.seq_length, args.micro_batch_size, gpu, bf16=not args.fp32, lora_rank=args.lora_rank,
-                   worlds=worlds, progress=progress, loss_chunk_mib=args.loss_chunk_mib)  # fmt: skip
+                   worlds=worlds, progress=progress, loss_chunk_mib=args.loss_chunk_mib,
+                   indexer_loss_coef=args.indexer_loss_coef)  # fmt: skip
     bf16 = not args.fp32
     what = (
         f"{'LoRA rank ' + str(args.lora_rank) if args.lora_rank else 'full fine-tuning'}, "
@@ -239,8 +245,13 @@ def _search(args: argparse.Namespace, cfg: Glm53Config, gpu: int) -> int:
               f"{m.activations / GiB:.1f})")  # fmt: skip
         print(f"      deepspeed --num_gpus {m.layout.world} launch/train.py {m.layout.trainer_flags(bf16)} "
               f"--seq-length {args.seq_length} --micro-batch-size {args.micro_batch_size}"
-              + (f" --lora-rank {args.lora_rank}" if args.lora_rank else ""))  # fmt: skip
+              + (f" --lora-rank {args.lora_rank}" if args.lora_rank else "") + _run_flags(args))  # fmt: skip
     return 0
+
+
+def _run_flags(args: argparse.Namespace) -> str:
+    """The run's flags beside the layout's that change what it holds: the indexer loss (it trains the indexer)."""
+    return f" --indexer-loss-coef {args.indexer_loss_coef}" if args.indexer_loss_coef > 0 else ""
 
 
 if __name__ == "__main__":

@@ -326,7 +326,7 @@ def profile_step(model: Glm53Model, step: Callable[[], torch.Tensor]) -> Activat
 def plan_activations(
     cfg: Glm53Config, seq_length: int, micro_batch: int = 1, ep: int = 1, etp: int = 1, sp: int = 1,
     recompute: str = "none", lora_rank: int = 0, offload_activations: bool = False, moe_tile_mib: int = 0,
-    loss_chunk_mib: int = LOSS_CHUNK_MIB,
+    loss_chunk_mib: int = LOSS_CHUNK_MIB, indexer_loss_coef: float = 0.0,
 ) -> ActivationProfile:  # fmt: skip
     """One rank's activation profile at the layout (rank 0 of the smallest fake world of the layout: every rank of a
     layout holds the same shapes), measured on the meta device on the reduced model: one micro-batch of
@@ -335,7 +335,7 @@ def plan_activations(
     validate_layout(smallest_world(ep, etp, sp), ep, etp, cfg, sp=sp, seq_length=seq_length)
     model, _ = rank_model_on_meta(reduced_config(cfg), ep, etp, sp, lora_rank=lora_rank, recompute=recompute,
                                   offload_activations=offload_activations, moe_tile_mib=moe_tile_mib,
-                                  loss_chunk_mib=loss_chunk_mib)  # fmt: skip
+                                  loss_chunk_mib=loss_chunk_mib, indexer_loss_coef=indexer_loss_coef)  # fmt: skip
     assert isinstance(model, Glm53Model)
     ids = torch.zeros(micro_batch, seq_length, dtype=torch.long, device="meta")
     return profile_step(model, lambda: model(ids, labels=ids))

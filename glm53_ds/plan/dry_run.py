@@ -225,11 +225,11 @@ def dry_run(
 def rank_model_on_meta(
     cfg: Glm53Config, ep: int = 1, etp: int = 1, sp: int = 1, rank: int = 0, lora_rank: int = 0,
     recompute: str = "none", gpt_model_length: int = 0, offload_activations: bool = False, moe_tile_mib: int = 0,
-    loss_chunk_mib: int = LOSS_CHUNK_MIB,
+    loss_chunk_mib: int = LOSS_CHUNK_MIB, indexer_loss_coef: float = 0.0,
 ) -> tuple[torch.nn.Module, Any]:  # fmt: skip
     """Rank `rank` of the smallest fake world that holds EP x ETP x SP (joined here; `layout.smallest_world`): its model as the trainer builds it (bf16,
-    the LoRA adapters and trainable set of a run, the `--recompute` mode, activation offload, MoE tiles and the loss
-    head's chunk), on the meta
+    the LoRA adapters and trainable set of a run, the `--recompute` mode, activation offload, MoE tiles, the loss
+    head's chunk and the indexer's own loss), on the meta
     device, and its expert shard.
     `gpt_model_length` > 0: a stock megatron `GPTModel` from the specs for sequences of that length instead."""
     fake_world(smallest_world(ep, etp, sp), rank)
@@ -239,12 +239,13 @@ def rank_model_on_meta(
                                       expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
                                       perform_initialization=False, loss_chunk_bytes=loss_chunk_mib * 2**20,
                                       offload_activations=offload_activations, moe_tile_bytes=moe_tile_mib * 2**20,
-                                      **recompute_overrides(recompute))  # fmt: skip
+                                      indexer_loss_coef=indexer_loss_coef, **recompute_overrides(recompute))  # fmt: skip
     with torch.device("meta"):
         model = _gpt_model(cfg, tconfig, gpt_model_length) if gpt_model else Glm53Model(
             tconfig, pg_collection=layout.pg_collection)  # fmt: skip
         # the trainer's converters (training/model_converters.py): the adapters, and only they train
-        apply_converters(model, model_converters(lora_spec(lora_rank) if lora_rank else None))
+        apply_converters(model, model_converters(lora_spec(lora_rank) if lora_rank else None,
+                                                 train_indexer=indexer_loss_coef > 0))  # fmt: skip
     return model, layout.expert_shard(cfg)
 
 

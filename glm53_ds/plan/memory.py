@@ -125,7 +125,7 @@ class RankMemory:
 def rank_memory(
     cfg: Glm53Config, layout: Layout, seq_length: int, micro_batch: int, gpu: int,
     counts: ParameterCounts | None = None, bf16: bool = True, lora_rank: int = 0,
-    profile: ActivationProfile | None = None,
+    profile: ActivationProfile | None = None, indexer_loss_coef: float = 0.0,
 ) -> RankMemory:  # fmt: skip
     """The memory of one rank of `layout` (`counts`: the rank's parameters at its EP x ETP; `profile`: its
     activations; each computed here when not given, the trace first: it joins the layout's fake world, in which
@@ -133,10 +133,11 @@ def rank_memory(
     if profile is None:
         profile = plan_activations(cfg, seq_length, micro_batch, layout.ep, layout.etp, layout.sp,
                                    layout.recompute, lora_rank, layout.offload_activations,
-                                   layout.moe_tile_mib, layout.loss_chunk_mib)  # fmt: skip
+                                   layout.moe_tile_mib, layout.loss_chunk_mib, indexer_loss_coef)  # fmt: skip
     if counts is None:
         counts = count_parameters(cfg, layout.ep, layout.etp, lora_rank=lora_rank,
-                                  mtp=cfg.num_nextn_predict_layers > 0)  # fmt: skip
+                                  mtp=cfg.num_nextn_predict_layers > 0,
+                                  train_indexer=indexer_loss_coef > 0)  # fmt: skip
     state = state_bytes(counts, layout.world, layout.ep, layout.etp, layout.zero, bf16=bf16)
     kinds = layer_kinds(cfg)
     by_kind = {
@@ -167,11 +168,13 @@ def search(
     worlds: tuple[int, ...] = WORLDS, zero_stages: tuple[int, ...] = (1, 2),
     recompute_modes: tuple[str, ...] = RECOMPUTE_ORDER, max_sp: int = 16, max_etp: int = 8, show: int = 10,
     progress: Callable[[str], None] | None = None, loss_chunk_mib: int = LOSS_CHUNK_MIB,
+    indexer_loss_coef: float = 0.0,
 ) -> SearchResult:  # fmt: skip
     """The smallest world (of `worlds`, in GPUs) at which some layout fits, and up to `show` layouts that fit
     there, the cheapest first: less recompute, less SP, less ETP, then less memory; when nothing fits, the nearest
-    miss. `progress`: called with one line per world searched. `loss_chunk_mib`: the run's loss head (kept in
-    every layout, not searched).
+    miss. `progress`: called with one line per world searched. `loss_chunk_mib`, `indexer_loss_coef`: the run's
+    loss head and indexer loss (kept in every layout, not searched; with the indexer loss, full recompute is not a
+    layout: the trainer refuses it).
 
     Layouts: EP, ETP and SP powers of two that divide the experts, their FFN width, the heads and the length (EP
     may span the SP ranks: the world divisible by ETP x SP and by ETP x EP); ZeRO 1 and 2; each recompute mode,
@@ -183,6 +186,8 @@ def search(
     usable = (1 - RESERVE_FRACTION) * gpu
     fake_world(1)  # the counts' meta builds need a world and megatron's state; each trace sets its layout's
     init_layout(1, 1, cfg)
+    if indexer_loss_coef > 0:
+        recompute_modes = tuple(mode for mode in recompute_modes if mode != "full")
     variants = [(mode, False) for mode in recompute_modes] + (
         [("full", True)] if "full" in recompute_modes else []
     )
@@ -199,7 +204,8 @@ def search(
             except ValueError:
                 continue
             if (ep, etp) not in count_cache:
-                count_cache[(ep, etp)] = count_parameters(cfg, ep, etp, lora_rank=lora_rank, mtp=mtp)
+                count_cache[(ep, etp)] = count_parameters(cfg, ep, etp, lora_rank=lora_rank, mtp=mtp,
+                                                          train_indexer=indexer_loss_coef > 0)  # fmt: skip
             counts = count_cache[(ep, etp)]
             for zero in zero_stages:
                 state = state_bytes(counts, world, ep, etp, zero, bf16=bf16)
@@ -210,7 +216,8 @@ def search(
                     if key not in profiles:
                         profiles[key] = plan_activations(cfg, seq_length, micro_batch, ep, etp, sp, recompute,
                                                          lora_rank, offload_activations=offload,
-                                                         loss_chunk_mib=loss_chunk_mib)  # fmt: skip
+                                                         loss_chunk_mib=loss_chunk_mib,
+                                                         indexer_loss_coef=indexer_loss_coef)  # fmt: skip
                     layout = Layout(
                         world, ep, etp, sp, zero, recompute, offload, loss_chunk_mib=loss_chunk_mib
                     )
@@ -233,11 +240,13 @@ def search(
 
 def what_would_fit(
     cfg: Glm53Config, memory: RankMemory, seq_length: int, micro_batch: int, bf16: bool = True, lora_rank: int = 0,
+    indexer_loss_coef: float = 0.0,
 ) -> list[str]:  # fmt: skip
     """For a layout that does not fit: each single change that makes it fit (more recompute, ZeRO 2, SP, twice the
     GPUs at the same EP x ETP, half the row, activation offload under full recompute, the default loss chunk where
     the run materialises its logits or takes larger chunks), else each pair (full recompute with SP, with twice the
-    GPUs, or with activation offload), as a line naming the trainer's flags and the total it gives."""
+    GPUs, or with activation offload), as a line naming the trainer's flags and the total it gives. With the
+    indexer loss, no change to full recompute (the trainer refuses it)."""
     layout = memory.layout
     full = dataclasses.replace(layout, recompute="full", zero=max(layout.zero, 1))
     singles: list[tuple[str, Layout, int]] = [
@@ -256,9 +265,8 @@ def what_would_fit(
         (f"{2 * layout.world} GPUs", dataclasses.replace(layout, world=2 * layout.world), seq_length)
     )
     singles.append((f"--seq-length {seq_length // 2}", layout, seq_length // 2))
-    if (
-        layout.loss_chunk_mib == 0 or layout.loss_chunk_mib > LOSS_CHUNK_MIB
-    ):  # materialised or large logit chunks
+    # materialised logits or larger chunks than the default
+    if layout.loss_chunk_mib == 0 or layout.loss_chunk_mib > LOSS_CHUNK_MIB:
         singles.append((f"--loss-chunk-mib {LOSS_CHUNK_MIB}",
                         dataclasses.replace(layout, loss_chunk_mib=LOSS_CHUNK_MIB), seq_length))  # fmt: skip
     if layout.recompute == "full" and not layout.offload_activations:
@@ -277,6 +285,8 @@ def what_would_fit(
     for tries in (singles, pairs):
         found = []
         for label, candidate, length in tries:
+            if indexer_loss_coef > 0 and candidate.recompute == "full":
+                continue  # the trainer refuses the indexer loss under full recompute
             try:
                 validate_layout(
                     candidate.world, candidate.ep, candidate.etp, cfg, sp=candidate.sp, seq_length=length
@@ -284,7 +294,14 @@ def what_would_fit(
             except ValueError:
                 continue
             total = rank_memory(
-                cfg, candidate, length, micro_batch, memory.gpu, bf16=bf16, lora_rank=lora_rank
+                cfg,
+                candidate,
+                length,
+                micro_batch,
+                memory.gpu,
+                bf16=bf16,
+                lora_rank=lora_rank,
+                indexer_loss_coef=indexer_loss_coef,
             )
             if total.fits:
                 found.append(f"{label}: {total.total / 2**30:.1f} GiB")

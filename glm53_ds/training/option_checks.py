@@ -132,11 +132,7 @@ def check_inputs(config: TrainConfig) -> None:
         raise SetupError(f"--moe-tile-mib {config.moe_tile_mib} with --aux-loss-coef {config.aux_loss_coef}: the "
                          "sequence-wise balance loss needs the whole sequence's routing at once; set one to 0")  # fmt: skip
     check_offload(config.offload_activations, config.recompute)
-    if config.recompute == "full" and (config.aux_loss_coef > 0 or config.indexer_loss_coef > 0):
-        raise SetupError(
-            f"--recompute full with --aux-loss-coef {config.aux_loss_coef} / --indexer-loss-coef "
-            f"{config.indexer_loss_coef}: {FULL_RECOMPUTE_LOSSES}; use --recompute selective"
-        )
+    check_recompute_losses(config.recompute, config.aux_loss_coef, config.indexer_loss_coef)
     if config.hf_dir and not os.path.isfile(os.path.join(config.hf_dir, "config.json")):
         raise SetupError(f"--hf-dir {config.hf_dir!r}: no config.json there")
     if config.model_config and config.model_config not in PRESETS and not os.path.isfile(config.model_config):
@@ -216,6 +212,16 @@ def check_save_is_this_runs(config: TrainConfig) -> None:
             f"--save {config.save!r} already holds checkpoints ({shown}{pointer}) that this run did not write; "
             f"starting there would replace them. Resume from them with --load {config.save}, give another --save, "
             "or pass --save-into-existing"
+        )
+
+
+def check_recompute_losses(recompute: str, aux_loss_coef: float, indexer_loss_coef: float) -> None:
+    """The losses that full recompute would lose the gradients of: refused with it (the trainer and the planner)."""
+    losses = [f"--{name} {coef}" for name, coef in (("aux-loss-coef", aux_loss_coef),
+                                                     ("indexer-loss-coef", indexer_loss_coef)) if coef > 0]  # fmt: skip
+    if recompute == "full" and losses:
+        raise SetupError(
+            f"--recompute full with {' and '.join(losses)}: {FULL_RECOMPUTE_LOSSES}; use --recompute selective"
         )
 
 

@@ -269,3 +269,26 @@ def test_the_runs_loss_chunk_is_planned():
     assert any(hint.startswith("--loss-chunk-mib 256: ") for hint in materialised["would_fit"]), materialised[
         "would_fit"
     ]
+
+
+def test_the_runs_indexer_loss_is_planned():
+    """`--indexer-loss-coef` (the trainer's option) trains the indexer: the planner counts its parameters trained,
+    with their gradients, masters and moments, traces its KL loss's kept bytes, names the flag in the run's, and
+    refuses full recompute as the trainer does, in one line before any trace. Control: the planner had no such
+    option and planned an indexer-loss run file with a frozen indexer."""
+    base = ["--model-config", "tiny", "--world", "1", "--seq-length", "1024", "--recompute", "selective"]
+    frozen = _plan(*base)
+    trained = _plan(*base, "--indexer-loss-coef", "0.1")
+    indexer = frozen["parameters"]["frozen"]["replicated"]
+    assert indexer > 0 and trained["parameters"]["frozen"]["replicated"] == 0
+    assert (
+        trained["parameters"]["trained"]["replicated"]
+        == frozen["parameters"]["trained"]["replicated"] + indexer
+    )
+    assert trained["bytes_per_rank"]["masters"] > frozen["bytes_per_rank"]["masters"]
+    assert trained["memory"]["activations_saved"] > frozen["memory"]["activations_saved"]
+    assert trained["trainer_flags"].endswith(" --indexer-loss-coef 0.1")
+    refused = module_run("glm53_ds.plan", *base[:-1], "full", "--indexer-loss-coef", "0.1", timeout=600)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith(
+        "error: --recompute full with --indexer-loss-coef 0.1: "
+    ), refused.stderr[-2000:]
