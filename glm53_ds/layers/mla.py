@@ -326,9 +326,12 @@ class SparseMLA(nn.Module):
             keys_target = keys_lat.detach()  # [b, S, R]
             for pools, selection, rows, document in indexed:
                 assert self.indexer is not None
+                # in blocks of the indexer's own budget (1 GiB on a GPU): the reference's 4 MiB hold one query's
+                # rows at the released width, a loop of one iteration per query
                 target = pooled_attention_mass(
                     q_lat_target[:, rows], keys_target[:, document], selection.tokens,
                     selection.pools.shape[-1], self.indexer.kpool, self.scaling,
+                    block_bytes=self.indexer.block_bytes(q_lat_target.device),
                 )  # fmt: skip
                 terms.append(
                     self.indexer.kl_terms(

@@ -31,6 +31,7 @@ from ..training.options import add_options, say_defaults
 from ..training.presets import PRESETS, named_config
 from ..training.run_file import config_path, read_config
 from ..training.run_plan import default_deepspeed_config, zero_stage_and_bf16
+from ..training.trainable import INDEXER_PATTERN
 from .activations import plan_activations
 from .cli import check_numbers
 from .counts import KINDS, count_parameters
@@ -250,8 +251,13 @@ def _search(args: argparse.Namespace, cfg: Glm53Config, gpu: int) -> int:
 
 
 def _run_flags(args: argparse.Namespace) -> str:
-    """The run's flags beside the layout's that change what it holds: the indexer loss (it trains the indexer)."""
-    return f" --indexer-loss-coef {args.indexer_loss_coef}" if args.indexer_loss_coef > 0 else ""
+    """The run's flags beside the layout's that change what it holds: the indexer loss (it trains the indexer; a
+    LoRA run names it trainable too, as the trainer asks)."""
+    if args.indexer_loss_coef <= 0:
+        return ""
+    return f" --indexer-loss-coef {args.indexer_loss_coef}" + (
+        f" --trainable '{INDEXER_PATTERN}'" if args.lora_rank else ""
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """A real-size dry run on meta tensors: one rank of a layout, the released model, forward and backward, shape by shape.
 
     python -m glm53_ds.plan.dry_run --ep 32 --etp 2 --seq-length 131072 [--sp 8] [--gpt-model] [--lora-rank 16]
-        [--loss-chunk-mib 256]
+        [--loss-chunk-mib 256] [--indexer-loss-coef 0.1]
 
 No GPU and no memory: the model is built on the meta device as rank `--rank` of the smallest world that holds
 EP x ETP x SP (EP may span the SP ranks: parallel/layout.py), joined
@@ -57,6 +57,7 @@ from ..training.config import TrainConfig, check_seq_length, recompute_overrides
 from ..training.model_converters import apply_converters, model_converters
 from ..training.options import add_options, say_defaults
 from ..training.presets import PRESETS, named_config
+from ..training.trainable import INDEXER_PATTERN
 from ..transformer_config import make_transformer_config
 from .cli import check_numbers
 from .counts import count_parameters, lora_spec, whole_model_on_meta
@@ -72,6 +73,9 @@ _INT32_STORAGE_OPS = {
     "alias", "index", "index_select", "gather", "contiguous", "split", "split_with_sizes", "narrow", "lift_fresh",
     "where", "zeros_like", "ones_like", "full_like", "zero_", "flatten", "unflatten", "_reshape_alias",
     "zeros", "new_zeros",
+    # a clamp selects between a value and its bounds: it cannot leave the input's range (the torch reference's
+    # gather of the selected latent rows clamps the -1 slots to 0, in the indexer loss's target)
+    "clamp", "clamp_min", "clamp_max",
     # collectives move values between ranks (SP gathers the key-padding mask and, on the dense path, the DSA
     # selections: ints, to every rank of the row)
     "allgather_", "_allgather_base_", "alltoall_base_", "alltoall_", "broadcast_",
@@ -106,6 +110,7 @@ class DryRun:
     lora_rank: int
     gpt_model: bool
     sp: int = 1
+    indexer_loss_coef: float = 0.0  # > 0: the indexer trains by its KL loss (docs/indexer_loss.md)
     parameters_held: int = 0  # elements this rank holds
     planned_held: int = 0  # the planner's count (plan/counts.py)
     trained_tensors: int = 0
@@ -120,7 +125,8 @@ class DryRun:
         verdict = "OK" if not self.problems else f"{len(self.problems)} problems"
         return (f"dry run {self.model} ({'GPTModel spec' if self.gpt_model else 'Glm53Model'}), rank {self.rank} "
                 f"of EP {self.ep} x ETP {self.etp} x SP {self.sp}, {self.micro_batch} x {self.seq_length:,} tokens"
-                f"{f', LoRA rank {self.lora_rank}' if self.lora_rank else ''}: {self.parameters_held:,} parameters "
+                f"{f', LoRA rank {self.lora_rank}' if self.lora_rank else ''}"
+                f"{', the indexer loss' if self.indexer_loss_coef > 0 else ''}: {self.parameters_held:,} parameters "
                 f"held ({self.local_experts} local experts), forward {self.seconds.get('forward', 0):.1f} s, "
                 f"backward {self.seconds.get('backward', 0):.1f} s: {verdict}")  # fmt: skip
 
@@ -161,7 +167,7 @@ DRY_RUN_SCORE_BLOCK_BYTES = 2**34  # 16 GiB blocks of index scores: 64 blocks pe
 def dry_run(
     cfg: Glm53Config, seq_length: int, ep: int = 1, etp: int = 1, rank: int = 0, micro_batch: int = 1,
     lora_rank: int = 0, gpt_model: bool = False, name: str = "model", sp: int = 1,
-    loss_chunk_mib: int = LOSS_CHUNK_MIB,
+    loss_chunk_mib: int = LOSS_CHUNK_MIB, indexer_loss_coef: float = 0.0,
 ) -> DryRun:  # fmt: skip
     """Rank `rank` of the smallest world holding EP x ETP x SP (a fake world, joined here), forward + backward on
     meta; under SP the rank gets whole rows and runs its shard, as the trainer's ranks do."""
@@ -169,12 +175,15 @@ def dry_run(
     check_seq_length(seq_length, cfg)
     if gpt_model and sp > 1:
         raise ValueError("--gpt-model runs without sequence parallelism (a stock GPTModel has no SP groups)")
+    if gpt_model and indexer_loss_coef > 0:
+        raise ValueError("--gpt-model with --indexer-loss-coef: the indexer loss is Glm53Model's (a stock GPTModel "
+                         "returns per-token LM losses only)")  # fmt: skip
     validate_layout(smallest_world(ep, etp, sp), ep, etp, cfg, sp=sp, seq_length=seq_length)
-    report = DryRun(name, seq_length, micro_batch, ep, etp, rank, lora_rank, gpt_model, sp)
+    report = DryRun(name, seq_length, micro_batch, ep, etp, rank, lora_rank, gpt_model, sp, indexer_loss_coef)
     start = time.perf_counter()
     model, shard = rank_model_on_meta(cfg, ep, etp, sp, rank=rank, lora_rank=lora_rank,
                                       gpt_model_length=seq_length if gpt_model else 0,
-                                      loss_chunk_mib=loss_chunk_mib)  # fmt: skip
+                                      loss_chunk_mib=loss_chunk_mib, indexer_loss_coef=indexer_loss_coef)  # fmt: skip
     report.seconds["build"] = time.perf_counter() - start
     report.parameters_held = sum(p.numel() for p in model.parameters())
     planned = count_parameters(cfg, ep, etp, lora_rank=lora_rank)
@@ -244,7 +253,9 @@ def rank_model_on_meta(
         model = _gpt_model(cfg, tconfig, gpt_model_length) if gpt_model else Glm53Model(
             tconfig, pg_collection=layout.pg_collection)  # fmt: skip
         # the trainer's converters (training/model_converters.py): the adapters, and only they train
-        apply_converters(model, model_converters(lora_spec(lora_rank) if lora_rank else None,
+        # a LoRA run trains the indexer by its loss only with --trainable naming it (the trainer refuses it otherwise)
+        indexer = INDEXER_PATTERN if lora_rank and indexer_loss_coef > 0 else None
+        apply_converters(model, model_converters(lora_spec(lora_rank) if lora_rank else None, trainable=indexer,
                                                  train_indexer=indexer_loss_coef > 0))  # fmt: skip
     return model, layout.expert_shard(cfg)
 
@@ -299,13 +310,14 @@ def main(argv: list[str] | None = None) -> int:
         "--gpt-model", action="store_true", help="through a stock megatron GPTModel from the specs"
     )
     p.add_argument("--layers", type=int, default=0, help="only the first N decoder layers (0: all)")
-    add_options(p, TrainConfig, names=("loss_chunk_mib",), defaults=dict(loss_chunk_mib=LOSS_CHUNK_MIB))
-    say_defaults(p, dict(loss_chunk_mib=LOSS_CHUNK_MIB))
+    defaults = dict(loss_chunk_mib=LOSS_CHUNK_MIB, indexer_loss_coef=0.0)  # the trainer's
+    add_options(p, TrainConfig, names=tuple(defaults), defaults=defaults)
+    say_defaults(p, defaults)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = p.parse_args(argv)
     try:
         check_numbers(args, dict(ep=1, etp=1, sp=1, seq_length=1, micro_batch_size=1, lora_rank=0, layers=0, rank=0,
-                                 loss_chunk_mib=0))  # fmt: skip
+                                 loss_chunk_mib=0, indexer_loss_coef=0))  # fmt: skip
         world = smallest_world(args.ep, args.etp, args.sp)
         if args.rank >= world:
             raise ValueError(f"--rank {args.rank} is outside the world of {world} ranks of EP {args.ep} x ETP "
@@ -314,8 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.layers:
             cfg = first_layers(cfg, args.layers)
         report = dry_run(cfg, args.seq_length, args.ep, args.etp, args.rank, args.micro_batch_size, args.lora_rank,
-                         args.gpt_model, name=args.model_config, sp=args.sp,
-                         loss_chunk_mib=args.loss_chunk_mib)  # fmt: skip
+                         args.gpt_model, name=args.model_config, sp=args.sp, loss_chunk_mib=args.loss_chunk_mib,
+                         indexer_loss_coef=args.indexer_loss_coef)  # fmt: skip
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

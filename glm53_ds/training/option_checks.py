@@ -133,6 +133,7 @@ def check_inputs(config: TrainConfig) -> None:
                          "sequence-wise balance loss needs the whole sequence's routing at once; set one to 0")  # fmt: skip
     check_offload(config.offload_activations, config.recompute)
     check_recompute_losses(config.recompute, config.aux_loss_coef, config.indexer_loss_coef)
+    check_indexer_loss_trains(config)
     if config.hf_dir and not os.path.isfile(os.path.join(config.hf_dir, "config.json")):
         raise SetupError(f"--hf-dir {config.hf_dir!r}: no config.json there")
     if config.model_config and config.model_config not in PRESETS and not os.path.isfile(config.model_config):
@@ -213,6 +214,28 @@ def check_save_is_this_runs(config: TrainConfig) -> None:
             f"starting there would replace them. Resume from them with --load {config.save}, give another --save, "
             "or pass --save-into-existing"
         )
+
+
+def check_indexer_loss_trains(config: TrainConfig) -> None:
+    """--indexer-loss-coef trains the indexer: refused where the run's trainable set freezes every indexer tensor
+    (LoRA, whose adapters do not target the indexer, without a --trainable naming it; a --freeze naming it), since
+    the loss would then be computed every step and train nothing."""
+    from .trainable import INDEXER_PATTERN, INDEXER_TENSORS, trains
+
+    lora = config.lora_rank > 0
+    if config.indexer_loss_coef <= 0 or any(
+        trains(name, lora, config.trainable, config.freeze, train_indexer=True) for name in INDEXER_TENSORS
+    ):
+        return
+    if config.freeze is not None and any(re.search(config.freeze, name) for name in INDEXER_TENSORS):
+        why = f"--freeze {config.freeze!r} freezes it"
+    elif lora:
+        why = "LoRA's adapters do not target the indexer"
+    else:
+        why = f"--trainable {config.trainable!r} leaves it out"
+    raise SetupError(f"--indexer-loss-coef {config.indexer_loss_coef} trains no indexer tensor ({why}): the loss "
+                     f"would train nothing; add --trainable '{INDEXER_PATTERN}' to train the indexer in full (then "
+                     "export with --export-hf)")  # fmt: skip
 
 
 def check_recompute_losses(recompute: str, aux_loss_coef: float, indexer_loss_coef: float) -> None:

@@ -16,19 +16,31 @@ from torch import nn
 from ..layers.lora import is_lora_param
 
 
+def trains(name: str, lora: bool, trainable: str | None, freeze: str | None, train_indexer: bool) -> bool:
+    """Whether the parameter of this native name trains, by the rule above."""
+    train = is_lora_param(name) if lora else trainable is None
+    if trainable is not None and re.search(trainable, name):
+        train = True
+    if freeze is not None and re.search(freeze, name):
+        train = False
+    return train and (train_indexer or ".indexer." not in name)
+
+
+# --trainable for the indexer beside LoRA's adapters: how a LoRA run takes --indexer-loss-coef (option_checks), and
+# what the planner assumes of one
+INDEXER_PATTERN = r"\.indexer\."
+# the DSA indexer's tensors, as a decoder layer names them (the MTP layer's and every layer's differ in the prefix)
+INDEXER_TENSORS = tuple(f"decoder.layers.0.self_attention.indexer.{t}" for t in (
+    "wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight", "index_kpool_compress_gate",
+    "index_kpool_compress_ape"))  # fmt: skip
+
+
 def select_trainable(
     model: nn.Module, lora: bool, trainable: str | None, freeze: str | None, train_indexer: bool
 ) -> str:
     """Set `requires_grad` on every parameter by the rule above; returns one line saying what trains."""
     for name, p in model.named_parameters():
-        train = is_lora_param(name) if lora else trainable is None
-        if trainable is not None and re.search(trainable, name):
-            train = True
-        if freeze is not None and re.search(freeze, name):
-            train = False
-        if ".indexer." in name and not train_indexer:
-            train = False
-        p.requires_grad_(train)
+        p.requires_grad_(trains(name, lora, trainable, freeze, train_indexer))
     params = list(model.named_parameters())
     trained = [(n, p) for n, p in params if p.requires_grad]
     adapters = [p for n, p in trained if is_lora_param(n)]

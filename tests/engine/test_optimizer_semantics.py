@@ -206,6 +206,46 @@ def test_kl_loss_is_zero_when_the_indexer_reproduces_the_attention():
     assert (wrong / count).item() > 1e-2
 
 
+def test_the_indexer_loss_target_runs_in_the_indexers_blocks(monkeypatch):
+    """The target (the main attention's mass on the chosen pools) is computed in blocks of the indexer's budget
+    (1 GiB on a GPU), not the torch reference's 4 MiB: at the released width those held one query, a loop of one
+    iteration per query (16,384 per layer per rank at 128k / SP 8, found by the dry run). Here the indexer's budget
+    is cut to one query row: 24 blocks per full-indexer layer, the same loss as one block. Control: with the
+    reference's budget the target took one block per layer whatever the indexer's."""
+    from glm53_ds.layers import mla, sparse_attention
+
+    cfg = Glm53Config.from_text_dict(CONFIG_A)
+    model = glm53_ds.build_model(cfg, mtp=False, indexer_loss_coef=0.5).train()
+    ids = torch.randint(1, cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(3))
+    rows: list[int] = []  # query rows of each block of the target (the attention's own calls not counted)
+    in_target = []
+    probabilities, target = sparse_attention.slot_probabilities, mla.pooled_attention_mass
+
+    def counted(q_lat, *rest):  # type: ignore[no-untyped-def]
+        if in_target:
+            rows.append(q_lat.shape[1])
+        return probabilities(q_lat, *rest)
+
+    def marked(*args, **kwargs):  # type: ignore[no-untyped-def]
+        in_target.append(True)
+        try:
+            return target(*args, **kwargs)
+        finally:
+            in_target.clear()
+
+    monkeypatch.setattr(sparse_attention, "slot_probabilities", counted)
+    monkeypatch.setattr(mla, "pooled_attention_mass", marked)
+    whole = model(ids, labels=ids, return_parts=True).indexer
+    layers = [m.indexer for m in model.modules() if isinstance(m, SparseMLA) and m.indexer is not None]
+    assert layers and rows == [24] * len(layers)
+    for indexer in layers:
+        indexer.score_block_bytes = 1  # one query row per block
+    rows.clear()
+    blocked = model(ids, labels=ids, return_parts=True).indexer
+    assert rows == [1] * 24 * len(layers)
+    assert torch.allclose(blocked, whole, rtol=1e-5, atol=0)
+
+
 def test_indexer_loss_trains_only_the_indexer():
     """One step with and without the coefficient: the LM-loss gradients of every other parameter are bitwise the
     same (the indexer reads detached inputs), the indexer gets gradients only from its loss."""

@@ -7,6 +7,8 @@ and a layer run alone left state behind. Now the model opens a record per forwar
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -75,6 +77,32 @@ def test_selective_recompute_keeps_the_layer_losses_bitwise():
     expected, got = _grads(plain, ids), _grads(recomputed, ids)
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[n], got[n]) for n in expected)
+
+
+@pytest.mark.parametrize(
+    "argv, why",
+    [
+        (["--lora-rank", "4"], "LoRA's adapters do not target the indexer"),
+        (["--freeze", "indexer"], "--freeze 'indexer' freezes it"),
+        (["--trainable", "mlp"], "--trainable 'mlp' leaves it out"),
+    ],
+)
+def test_an_indexer_loss_that_would_train_nothing_is_refused(argv, why):
+    """Before: a LoRA run with --indexer-loss-coef computed the loss every step with every indexer tensor frozen
+    (the adapters do not target it), and said nothing. Control: with --trainable naming the indexer the same run is
+    taken, and its indexer trains (the rule select_trainable applies)."""
+    from glm53_ds.training.trainable import INDEXER_TENSORS, trains
+
+    args = ["--indexer-loss-coef", "0.1", "--recompute", "selective", *argv]
+    with pytest.raises(
+        SetupError, match=rf"--indexer-loss-coef 0.1 trains no indexer tensor \({re.escape(why)}\)"
+    ):
+        TrainConfig.from_args(build_parser().parse_args(args))
+    if "--freeze" not in argv:
+        taken = TrainConfig.from_args(build_parser().parse_args([*args, "--trainable", r"\.indexer\."]))
+        assert all(
+            trains(n, taken.lora_rank > 0, taken.trainable, taken.freeze, True) for n in INDEXER_TENSORS
+        )
 
 
 def test_full_recompute_with_layer_losses_is_refused_because_their_gradient_is_lost():

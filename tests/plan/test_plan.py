@@ -182,6 +182,15 @@ def test_the_dry_run_refuses_a_rank_outside_its_world(capsys):
     )
     assert dry_run_main(["--model-config", "tiny", "--seq-length", "0"]) == 2
     assert "--seq-length must be >= 1, got 0" in capsys.readouterr().err
+    assert dry_run_main(["--model-config", "tiny", "--loss-chunk-mib", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --loss-chunk-mib must be >= 0, got -1"
+    assert (
+        dry_run_main(
+            ["--model-config", "tiny", "--seq-length", "64", "--gpt-model", "--indexer-loss-coef", "0.1"]
+        )
+        == 2
+    )
+    assert capsys.readouterr().err.startswith("error: --gpt-model with --indexer-loss-coef: ")
 
 
 def test_search_finds_the_smallest_world_and_only_layouts_that_fit():
@@ -288,6 +297,10 @@ def test_the_runs_indexer_loss_is_planned():
     assert trained["bytes_per_rank"]["masters"] > frozen["bytes_per_rank"]["masters"]
     assert trained["memory"]["activations_saved"] > frozen["memory"]["activations_saved"]
     assert trained["trainer_flags"].endswith(" --indexer-loss-coef 0.1")
+    # LoRA: the indexer trains in full beside the adapters, named trainable as the trainer asks
+    lora = _plan(*base, "--lora-rank", "8", "--indexer-loss-coef", "0.1")
+    assert lora["parameters"]["frozen"]["replicated"] == frozen["parameters"]["trained"]["replicated"]
+    assert lora["trainer_flags"].endswith(" --indexer-loss-coef 0.1 --trainable '\\.indexer\\.'")
     refused = module_run("glm53_ds.plan", *base[:-1], "full", "--indexer-loss-coef", "0.1", timeout=600)
     assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith(
         "error: --recompute full with --indexer-loss-coef 0.1: "
