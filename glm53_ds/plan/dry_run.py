@@ -49,6 +49,8 @@ from ..checkpoint.placement import placement
 from ..config import Glm53Config
 from ..layers.dsa_indexer import DsaIndexer
 from ..layers.fused_kernels import kernel_of_forward
+from ..layers.moe import Glm53MoE
+from ..layers.moe.experts import grouped_mm_step
 from ..model import Glm53Model
 from ..parallel import init_layout
 from ..parallel.layout import smallest_world, validate_layout
@@ -257,7 +259,27 @@ def rank_model_on_meta(
         indexer = INDEXER_PATTERN if lora_rank and indexer_loss_coef > 0 else None
         apply_converters(model, model_converters(lora_spec(lora_rank) if lora_rank else None, trainable=indexer,
                                                  train_indexer=indexer_loss_coef > 0))  # fmt: skip
+    _check_traceable_experts(model, cfg, lora_rank)
     return model, layout.expert_shard(cfg)
+
+
+def _check_traceable_experts(model: torch.nn.Module, cfg: Glm53Config, lora_rank: int) -> None:
+    """Without expert parallelism (EP x ETP = 1, no dispatcher) the experts' forward takes the reference loop where
+    their sizes misalign with the grouped GEMM: a host sync per expert, which a meta trace cannot follow (one error
+    line instead of a traceback)."""
+    step = grouped_mm_step(torch.bfloat16)
+    for module in model.modules():
+        if (
+            isinstance(module, Glm53MoE)
+            and module.dispatch is None
+            and module.experts.impl(torch.bfloat16) == "loop"
+        ):
+            lora = f", LoRA rank {lora_rank}" if lora_rank else ""
+            fix = f", or a LoRA rank that is a multiple of {step}" if lora_rank else ""
+            raise ValueError(f"EP 1 x ETP 1: the experts' sizes (hidden {cfg.hidden_size}, FFN "
+                             f"{module.experts.intermediate}{lora}) are not all multiples of {step} (bf16's grouped "
+                             f"GEMM), so they would run the reference loop, which a meta trace cannot follow; plan "
+                             f"at EP > 1{fix}")  # fmt: skip
 
 
 def gradient_problems(model: torch.nn.Module) -> list[str]:
