@@ -18,6 +18,7 @@ from .mixture import parse_sources
 from .model_source import check_model_config_file
 from .packing import LONG_DOCUMENTS
 from .presets import PRESETS
+from .trainable import INDEXER_PATTERN, INDEXER_TENSORS, trains
 
 if TYPE_CHECKING:
     from .config import TrainConfig
@@ -220,8 +221,6 @@ def check_indexer_loss_trains(config: TrainConfig) -> None:
     """--indexer-loss-coef trains the indexer: refused where the run's trainable set freezes every indexer tensor
     (LoRA, whose adapters do not target the indexer, without a --trainable naming it; a --freeze naming it), since
     the loss would then be computed every step and train nothing."""
-    from .trainable import INDEXER_PATTERN, INDEXER_TENSORS, trains
-
     lora = config.lora_rank > 0
     if config.indexer_loss_coef <= 0 or any(
         trains(name, lora, config.trainable, config.freeze, train_indexer=True) for name in INDEXER_TENSORS
