@@ -31,7 +31,7 @@ from ..training.options import add_options, say_defaults
 from ..training.presets import PRESETS, named_config
 from ..training.run_file import config_path, read_config
 from ..training.run_plan import default_deepspeed_config, zero_stage_and_bf16
-from ..training.trainable import INDEXER_PATTERN
+from ..training.trainable import indexer_loss_trainable
 from .activations import plan_activations
 from .cli import check_numbers
 from .counts import KINDS, count_parameters
@@ -255,8 +255,9 @@ def _run_flags(args: argparse.Namespace) -> str:
     LoRA run names it trainable too, as the trainer asks)."""
     if args.indexer_loss_coef <= 0:
         return ""
+    trainable = indexer_loss_trainable(args.lora_rank > 0, True)
     return f" --indexer-loss-coef {args.indexer_loss_coef}" + (
-        f" --trainable '{INDEXER_PATTERN}'" if args.lora_rank else ""
+        f" --trainable '{trainable}'" if trainable else ""
     )
 
 

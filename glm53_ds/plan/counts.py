@@ -23,7 +23,7 @@ from ..layers.lora import LoraSpec
 from ..layers.lora_targets import apply_lora
 from ..model import Glm53Model, build_model, fp32_kept_names
 from ..parallel.expert_shard import ExpertShard
-from ..training.trainable import INDEXER_PATTERN, select_trainable
+from ..training.trainable import indexer_loss_trainable, select_trainable
 
 KINDS = ("replicated", "expert", "fp32_kept")
 
@@ -69,8 +69,7 @@ def count_parameters(
     """One rank's counts at EP `ep` x ETP `etp` (a LoRA run of rank `lora_rank` when > 0)."""
     shard = ExpertShard.for_config(cfg, ep, 0, etp, 0)
     model = whole_model_on_meta(cfg, lora_rank, lora_alpha, lora_targets, mtp)
-    # a LoRA run trains the indexer by its loss only with --trainable naming it (the trainer refuses it otherwise)
-    trainable = INDEXER_PATTERN if lora_rank and train_indexer else None
+    trainable = indexer_loss_trainable(bool(lora_rank), train_indexer)
     select_trainable(
         model, lora=bool(lora_rank), trainable=trainable, freeze=None, train_indexer=train_indexer
     )

@@ -59,7 +59,7 @@ from ..training.config import TrainConfig, check_seq_length, recompute_overrides
 from ..training.model_converters import apply_converters, model_converters
 from ..training.options import add_options, say_defaults
 from ..training.presets import PRESETS, named_config
-from ..training.trainable import INDEXER_PATTERN
+from ..training.trainable import indexer_loss_trainable
 from ..transformer_config import make_transformer_config
 from .cli import check_numbers
 from .counts import count_parameters, lora_spec, whole_model_on_meta
@@ -255,8 +255,7 @@ def rank_model_on_meta(
         model = _gpt_model(cfg, tconfig, gpt_model_length) if gpt_model else Glm53Model(
             tconfig, pg_collection=layout.pg_collection)  # fmt: skip
         # the trainer's converters (training/model_converters.py): the adapters, and only they train
-        # a LoRA run trains the indexer by its loss only with --trainable naming it (the trainer refuses it otherwise)
-        indexer = INDEXER_PATTERN if lora_rank and indexer_loss_coef > 0 else None
+        indexer = indexer_loss_trainable(bool(lora_rank), indexer_loss_coef > 0)
         apply_converters(model, model_converters(lora_spec(lora_rank) if lora_rank else None, trainable=indexer,
                                                  train_indexer=indexer_loss_coef > 0))  # fmt: skip
     _check_traceable_experts(model, cfg, lora_rank)

@@ -29,6 +29,14 @@ def trains(name: str, lora: bool, trainable: str | None, freeze: str | None, tra
 # --trainable for the indexer beside LoRA's adapters: how a LoRA run takes --indexer-loss-coef (option_checks), and
 # what the planner assumes of one
 INDEXER_PATTERN = r"\.indexer\."
+
+
+def indexer_loss_trainable(lora: bool, indexer_loss: bool) -> str | None:
+    """The --trainable a run with the indexer loss needs for its indexer to train: the indexer's pattern under LoRA
+    (the adapters do not target it), none otherwise (what the planner and the dry run assume of such a run)."""
+    return INDEXER_PATTERN if lora and indexer_loss else None
+
+
 # the DSA indexer's tensors, as a decoder layer names them (the MTP layer's and every layer's differ in the prefix)
 INDEXER_TENSORS = tuple(f"decoder.layers.0.self_attention.indexer.{t}" for t in (
     "wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight", "index_kpool_compress_gate",
