@@ -229,9 +229,12 @@ def _search(args: argparse.Namespace, cfg: Glm53Config, gpu: int) -> int:
     if args.json:
         print(json.dumps({"model": args.model_config, "world": found.world,
                           "fits": [dict(m.as_dict(), trainer_flags=m.layout.trainer_flags(bf16)) for m in found.fitting],
-                          "nearest": None if found.nearest is None else found.nearest.as_dict()}))  # fmt: skip
+                          "nearest": None if found.nearest is None else found.nearest.as_dict(),
+                          "not_planned": found.not_planned}))  # fmt: skip
         return 0 if found.fitting else 1
     where = f"{args.world} GPUs" if args.world else f"up to {WORLDS[-1]} GPUs"
+    for reason in found.not_planned:
+        print(f"not planned: {reason}")
     if not found.fitting:
         print(f"{args.model_config}, {what}: no layout of {where} fits")
         if found.nearest is not None:

@@ -262,6 +262,11 @@ def rank_model_on_meta(
     return model, layout.expert_shard(cfg)
 
 
+class UntraceableLayout(ValueError):
+    """A layout whose rank the meta trace cannot follow (`_check_traceable_experts`): refused for a plan of that
+    layout, skipped and named by `--search`."""
+
+
 def _check_traceable_experts(model: torch.nn.Module, cfg: Glm53Config, lora_rank: int) -> None:
     """Without expert parallelism (EP x ETP = 1, no dispatcher) the experts' forward takes the reference loop where
     their sizes misalign with the grouped GEMM: a host sync per expert, which a meta trace cannot follow (one error
@@ -275,7 +280,7 @@ def _check_traceable_experts(model: torch.nn.Module, cfg: Glm53Config, lora_rank
         ):
             lora = f", LoRA rank {lora_rank}" if lora_rank else ""
             fix = f", or a LoRA rank that is a multiple of {step}" if lora_rank else ""
-            raise ValueError(f"EP 1 x ETP 1: the experts' sizes (hidden {cfg.hidden_size}, FFN "
+            raise UntraceableLayout(f"EP 1 x ETP 1: the experts' sizes (hidden {cfg.hidden_size}, FFN "
                              f"{module.experts.intermediate}{lora}) are not all multiples of {step} (bf16's grouped "
                              f"GEMM), so they would run the reference loop, which a meta trace cannot follow; plan "
                              f"at EP > 1{fix}")  # fmt: skip

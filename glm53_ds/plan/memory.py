@@ -26,7 +26,7 @@ from ..parallel import init_layout
 from ..parallel.layout import validate_layout
 from .activations import MTP_KIND, ActivationProfile, layer_kinds, plan_activations
 from .counts import ParameterCounts, count_parameters
-from .dry_run import LOSS_CHUNK_MIB, fake_world
+from .dry_run import LOSS_CHUNK_MIB, UntraceableLayout, fake_world
 from .state import StateBytes, state_bytes
 
 REDUCE_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed 0.19.8's default reduce_bucket_size (elements)
@@ -158,6 +158,7 @@ class SearchResult:
     world: int  # the smallest world where a layout fits (0: none)
     fitting: list[RankMemory]  # up to `show` of its layouts, the cheapest first
     nearest: RankMemory | None = None  # when nothing fits: the layout that came closest (least memory)
+    not_planned: list[str] = field(default_factory=list)  # why untraceable layouts were skipped
 
 
 WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -174,7 +175,8 @@ def search(
     there, the cheapest first: less recompute, less SP, less ETP, then less memory; when nothing fits, the nearest
     miss. `progress`: called with one line per world searched. `loss_chunk_mib`, `indexer_loss_coef`: the run's
     loss head and indexer loss (kept in every layout, not searched; with the indexer loss, full recompute is not a
-    layout: the trainer refuses it).
+    layout: the trainer refuses it). An EP x ETP whose ranks the meta trace cannot follow (`UntraceableLayout`) is
+    skipped, its reason in `not_planned`.
 
     Layouts: EP, ETP and SP powers of two that divide the experts, their FFN width, the heads and the length (EP
     may span the SP ranks: the world divisible by ETP x SP and by ETP x EP); ZeRO 1 and 2; each recompute mode,
@@ -194,6 +196,7 @@ def search(
     profiles: dict[tuple[int, int, int, str, bool], ActivationProfile] = {}
     count_cache: dict[tuple[int, int], ParameterCounts] = {}
     nearest: RankMemory | None = None
+    untraceable: dict[tuple[int, int], str] = {}  # (EP, ETP): why a trace of its ranks cannot run
     for world in worlds:
         fitting = []
         traced = 0
@@ -208,16 +211,22 @@ def search(
                                                           train_indexer=indexer_loss_coef > 0)  # fmt: skip
             counts = count_cache[(ep, etp)]
             for zero in zero_stages:
+                if (ep, etp) in untraceable:
+                    break
                 state = state_bytes(counts, world, ep, etp, zero, bf16=bf16)
                 if state.total + communication_bytes(zero, bf16) > usable:
                     continue
                 for recompute, offload in variants:
                     key = (ep, etp, sp, recompute, offload)
                     if key not in profiles:
-                        profiles[key] = plan_activations(cfg, seq_length, micro_batch, ep, etp, sp, recompute,
-                                                         lora_rank, offload_activations=offload,
-                                                         loss_chunk_mib=loss_chunk_mib,
-                                                         indexer_loss_coef=indexer_loss_coef)  # fmt: skip
+                        try:
+                            profiles[key] = plan_activations(cfg, seq_length, micro_batch, ep, etp, sp, recompute,
+                                                             lora_rank, offload_activations=offload,
+                                                             loss_chunk_mib=loss_chunk_mib,
+                                                             indexer_loss_coef=indexer_loss_coef)  # fmt: skip
+                        except UntraceableLayout as e:  # skipped and said, not the end of the search
+                            untraceable[(ep, etp)] = str(e)
+                            break
                     layout = Layout(
                         world, ep, etp, sp, zero, recompute, offload, loss_chunk_mib=loss_chunk_mib
                     )
@@ -234,8 +243,8 @@ def search(
         if fitting:
             fitting.sort(key=lambda m: (variants.index((m.layout.recompute, m.layout.offload_activations)),
                                         m.layout.sp, m.layout.etp, m.total))  # fmt: skip
-            return SearchResult(world, fitting[:show])
-    return SearchResult(0, [], nearest)
+            return SearchResult(world, fitting[:show], not_planned=list(untraceable.values()))
+    return SearchResult(0, [], nearest, list(untraceable.values()))
 
 
 def what_would_fit(

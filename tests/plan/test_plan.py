@@ -310,10 +310,15 @@ def test_the_runs_indexer_loss_is_planned():
 def test_experts_the_trace_cannot_follow_are_one_error_line():
     """At EP 1 a LoRA rank that is not a multiple of 8 sends the experts to the reference loop (a host sync per
     expert): before, a traceback from inside the meta trace (torch.nonzero has no meta kernel); now one line. At EP
-    2 the same rank is planned (the dispatcher's path)."""
+    2 the same rank is planned (the dispatcher's path). `--search` skips EP 1 x ETP 1 and says why (control: before,
+    the search ended at that layout with the error)."""
     base = ["--model-config", "tiny", "--seq-length", "128", "--lora-rank", "4"]
     refused = module_run("glm53_ds.plan", *base, "--world", "1", timeout=600)
     assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith(
         "error: EP 1 x ETP 1: the experts' sizes (hidden 64, FFN 32, LoRA rank 4) are not all multiples of 8"
     ), refused.stderr[-2000:]
     assert _plan(*base, "--world", "2", "--ep", "2")["memory"]["fits"]
+    searched = _plan(*base, "--search", "--world", "2", "--gpu-memory", "10GB")
+    assert [reason.split(":")[0] for reason in searched["not_planned"]] == ["EP 1 x ETP 1"], searched
+    layouts = {(f["layout"]["ep"], f["layout"]["etp"]) for f in searched["fits"]}
+    assert searched["world"] == 2 and (2, 1) in layouts and (1, 1) not in layouts, layouts
