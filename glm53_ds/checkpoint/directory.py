@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import torch
 
 from ..config import Glm53Config
 from ..parallel.expert_shard import ExpertShard
-from ..safe_io import MANIFEST, atomic_write_text, read_manifest, unlisted_files, verify_files
+from ..safe_io import MANIFEST, atomic_write_text, published_tags, read_manifest, unlisted_files, verify_files
 from .placement import (
     REPLICATED,
     TensorPlacement,
@@ -75,6 +76,35 @@ def latest_tag(load_dir: str) -> str:
         raise FileNotFoundError(f"no checkpoint in {load_dir!r}: the file 'latest' is missing")
     with open(path, encoding="utf-8") as f:
         return f.read().strip()
+
+
+TAG_PATTERN = re.compile(r"step\d+")  # the trainer's tags (`step<N>`), the names its saves replace whole
+
+
+def not_ours(save_dir: str) -> list[str]:
+    """The entries of `save_dir` a run's saves would replace that no save wrote: one named like a tag (`step<N>`)
+    that is not a published checkpoint (a re-save replaces a tag whole, removing the old one), and a `latest` that
+    is not a file naming one of the directory's checkpoints (every save rewrites it; a save moves it only after
+    publishing the tag it names)."""
+    if not os.path.isdir(save_dir):
+        return []
+    tags = published_tags(save_dir)
+    found = [n for n in sorted(os.listdir(save_dir)) if TAG_PATTERN.fullmatch(n) and n not in tags]
+    latest = os.path.join(save_dir, LATEST)
+    if os.path.lexists(latest) and not _names_one_of(latest, tags):
+        found.append(LATEST)
+    return found
+
+
+def _names_one_of(path: str, tags: list[str]) -> bool:
+    """A `latest` as `write_latest` writes it: a small regular file whose text is one of `tags`."""
+    if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) > 4096:
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip() in tags
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def write_latest(save_dir: str, tag: str) -> None:

@@ -20,9 +20,11 @@ from typing import Any
 import torch.distributed as dist
 
 from ..safe_io import (
+    MANIFEST,
     describe_files,
     fsync_path,
     list_files,
+    published_tags,
     read_manifest,
     swap_in,
     unlisted_files,
@@ -99,6 +101,17 @@ class StagedTag:
         the tag into place and move `latest` (rank 0). Collective; returns the tag directory."""
         dist.barrier()
         staged, final, save_dir = self.staged, self.final, self.save_dir
+        # a re-save replaces the tag whole: only a checkpoint (set-up refuses a --save holding anything else of a
+        # tag's name, `directory.not_ours`; this is for one made during the run)
+        if from_rank0(
+            os.path.lexists(final) and self.tag not in published_tags(save_dir)
+            if dist.get_rank() == 0
+            else None
+        ):
+            if dist.get_rank() == 0:
+                shutil.rmtree(staged)  # this save's own files
+            raise CheckpointError(f"{final} exists and is not a checkpoint (no {MANIFEST}); the save of {self.tag} "
+                                  "would replace it, so it stopped and left it as it is")  # fmt: skip
         names = from_rank0(list_files(staged) if dist.get_rank() == 0 else None)
         mine = share(names)
         for name in mine:

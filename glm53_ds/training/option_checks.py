@@ -9,7 +9,7 @@ import os
 import re
 from typing import TYPE_CHECKING
 
-from ..checkpoint.directory import has_latest, latest_tag
+from ..checkpoint.directory import has_latest, latest_tag, not_ours
 from ..safe_io import OutputPathError, check_output_dir, published_tags
 from ..transformer_config import FULL_RECOMPUTE_LOSSES
 from .data import check_data_path
@@ -202,7 +202,16 @@ def check_output_paths(config: TrainConfig) -> None:
 def check_save_is_this_runs(config: TrainConfig) -> None:
     """A `--save` holding checkpoints belongs to the run that wrote them: only a run resuming from it (`--load`
     the same directory) continues there, or one told to with --save-into-existing; anything else would replace
-    that run's tags of the same name and move its `latest`."""
+    that run's tags of the same name and move its `latest`. Entries of those names that no save wrote (a `step<N>`
+    that is not a checkpoint, a `latest` naming none of its checkpoints) are refused whatever the options: a save would
+    replace them."""
+    foreign = not_ours(config.save or "")
+    if foreign:
+        raise SetupError(
+            f"--save {config.save!r} holds {', '.join(foreign)}, which no save wrote (a step<N> without a "
+            "manifest.json, a latest naming none of its checkpoints); this run's saves would replace it. Move it, "
+            "or give another --save"
+        )
     tags = published_tags(config.save or "")
     resumes_here = config.load is not None and os.path.realpath(config.load) == os.path.realpath(
         config.save or ""

@@ -52,3 +52,23 @@ def test_a_tag_that_is_a_link_is_resaved_and_its_target_kept(tmp_path):
     assert (ck / "step1").is_dir() and not (ck / "step1").is_symlink()
     assert (tmp_path / "archived" / "manifest.json").exists()
     assert sorted(os.listdir(ck)) == ["latest", "step1"]
+
+
+def test_a_save_never_replaces_an_entry_no_save_wrote(tmp_path):
+    """A `step1` of the user's in the save directory (not a checkpoint: no manifest) is not replaced by a save of
+    that tag: the save stops with a CheckpointError naming it, the user's files and this save's nothing left (its
+    staging removed). Control: before, the save removed the user's `step1` whole (`rmtree`) and published its own."""
+    from glm53_ds.checkpoint.directory import CheckpointError
+    from glm53_ds.engine import save_checkpoint
+
+    model = glm53_ds.build_model(Glm53Config.from_text_dict(CONFIG_A), mtp=False)
+    engine = glm53_ds.build_engine(model, engine_config(0, False, 1.0))
+    ck = tmp_path / "ck"
+    (ck / "step1").mkdir(parents=True)
+    (ck / "step1" / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"step1 exists and is not a checkpoint \(no manifest.json\)"):
+        save_checkpoint(engine, str(ck), "step1")
+    assert (ck / "step1" / "notes.txt").read_text() == "mine"
+    assert sorted(os.listdir(ck)) == ["step1"]  # no staging left, no `latest`
+    save_checkpoint(engine, str(ck), "step2")  # another tag: saved beside it
+    assert (ck / "step2" / "manifest.json").exists() and (ck / "latest").read_text() == "step2"

@@ -90,6 +90,42 @@ def test_a_fresh_run_never_replaces_another_runs_checkpoints(tmp_path):
     assert (ck / "step2" / "manifest.json").read_text() != saved
 
 
+@pytest.mark.parametrize(
+    "entry",
+    ["a directory step300", "a file step300", "a directory latest", "a file latest", "a pointer latest"],
+)
+def test_a_save_directory_holding_what_no_save_wrote_is_refused(tmp_path, entry):
+    """Within --save a run writes `step<N>` tags (a re-save replaces one whole) and `latest` (rewritten by every
+    save). Before: `--save /etc` trained, and an entry of those names that no save wrote (a user's step300, a
+    `latest` that names no checkpoint of the directory) would be replaced. Now refused before any work, naming it; control: a --save
+    holding a published tag, a pointer naming it and unrelated files passes the check (--save-into-existing: the
+    tags may be replaced; the foreign entry is refused even so)."""
+    from glm53_ds.training.errors import SetupError
+    from glm53_ds.training.option_checks import check_save_is_this_runs
+
+    ck = tmp_path / "ck"
+    (ck / "step2").mkdir(parents=True)
+    (ck / "step2" / "manifest.json").write_text("{}")
+    (ck / "latest").write_text("step2")
+    (ck / "README.md").write_text("my notes")
+    check_save_is_this_runs(
+        train_config("--save", str(ck), "--save-into-existing")
+    )  # control: all of it a save's
+    kind, name = entry.split()[1:]
+    if name == "latest":
+        (ck / "latest").unlink()
+    if kind == "directory":
+        (ck / name).mkdir()
+    elif kind == "pointer":  # a plain name, but of no checkpoint here
+        (ck / name).write_text("step9")
+    else:
+        (ck / name).write_text("the run on the other cluster\n")
+    with pytest.raises(SetupError) as refused:
+        check_save_is_this_runs(train_config("--save", str(ck), "--save-into-existing"))
+    assert f"--save '{ck}' holds {name}, which no save wrote" in str(refused.value), refused.value
+    assert "Move it, or give another --save" in str(refused.value)
+
+
 def test_defaults_follow_the_model_not_the_route(tmp_path):
     """Before: the same tiny weights trained at router-bias rate 1e-2 into runs/tiny as a converted checkpoint and
     at 1e-3 into runs/hf by --hf-dir. Now both are the tiny preset's, and another model gets the general ones."""
