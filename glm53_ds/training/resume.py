@@ -40,6 +40,7 @@ class ResumeChecks:
     valid: DataStream | None
     start_step: int
     consumed: int
+    resumed_run: str | None
     _saved_state: TrainingState | None = None
 
     @property
@@ -224,6 +225,7 @@ class ResumeChecks:
             self._say(f"loaded {what} of {where} ({fresh}fresh optimizer state, step 0, data from the start)")
             return
         self.consumed = saved.consumed_samples
+        self.resumed_run = saved.run
         if saved.rng is not None:
             torch.set_rng_state(saved.rng)
         self._say(f"resumed from {where}: step {self.start_step}, {self.consumed} consumed samples, global batch "

@@ -15,7 +15,7 @@ import torch
 
 from ..engine import read_client_state
 
-FIELDS = ("step", "consumed_samples", "global_batch_size", "data", "rng", "schedule", "lora", "base")
+FIELDS = ("step", "consumed_samples", "global_batch_size", "data", "rng", "schedule", "lora", "base", "run")
 
 
 @dataclass
@@ -33,6 +33,9 @@ class TrainingState:
     lora: dict[str, Any] | None = None  # the adapters (LoraSpec.record), None without
     base: dict[str, Any] | None = (
         None  # a LoRA run's base weights and their checksums (checkpoint/base_weights.py)
+    )
+    run: str | None = (
+        None  # the run's id (training/output_dir.py): made at a fresh start, kept by its resumes
     )
     recorded: frozenset[str] = frozenset(FIELDS)  # the fields the checkpoint holds (older ones lack some)
 

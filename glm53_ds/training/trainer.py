@@ -54,6 +54,7 @@ from .data import DataStream, is_chat_source, load_tokenizer, open_stream
 from .metrics import MetricsWriter, WandbRun, loggable, plot_loss
 from .mixture import DataSource, MixedStream, parse_sources, split_validation
 from .model_converters import adapters_of, apply_converters, model_converters
+from .output_dir import claim_output_dir
 from .resume import ResumeChecks, schedule_record
 from .run_file import parse_with_config, write_run_file
 from .run_plan import RunPlan, agreed, model_config, or_setup_error, report_error
@@ -84,6 +85,10 @@ class Trainer(ResumeChecks, TrainSteps):
         self.tokenizer: Any = None
         self.last_valid: dict[str, Any] | None = None  # its record
         self.start_step = 0
+        self.resumed_run: str | None = None  # the run id its --load checkpoint records (a resume)
+        self.run_id: str | None = (
+            None  # this run's (rank 0: training/output_dir.py), recorded by its checkpoints
+        )
         self.load_tag: str | None = None  # --load's tag, verified in setup()
         self.base_only = False  # a LoRA run whose --load holds no adapters: its weights are the base
         # a LoRA run's base (`checkpoint/base_weights.py`): recorded by its checkpoints, which then hold the
@@ -239,6 +244,11 @@ class Trainer(ResumeChecks, TrainSteps):
         if c.gpus is not None and c.gpus != self.world:
             self._say(f"--gpus {c.gpus}: the run was planned for {c.gpus} GPUs and runs on {self.world}")
         if self.rank == 0:
+            self.run_id, moved = claim_output_dir(
+                c.output_dir, self.resumed_run, resuming=self.start_step > 0
+            )
+            if moved:
+                self._say(moved)
             self._say(
                 f"run description: {write_run_file(c, build_parser(), c.output_dir)} (--config replays it)"
             )
@@ -339,7 +349,7 @@ class Trainer(ResumeChecks, TrainSteps):
         check_replicas(self.engine.module, self.layout)
         state = TrainingState(step, self.consumed, self.plan.global_batch, dict(self.stream.identity),
                               torch.get_rng_state(), schedule_record(self.config), self.adapters.record if self.adapters else None,
-                              self.base)  # fmt: skip
+                              self.base, self.run_id)  # fmt: skip
         adapters_only = self.base is not None and self.adapters is not None
         try:
             self.last_saved = save_checkpoint(self.engine, self.config.save, f"step{step}", client_state=state.client_state(),

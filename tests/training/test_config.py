@@ -72,22 +72,28 @@ def test_bad_input_is_one_error_line_before_any_work(tmp_path, args, message):
 def test_a_fresh_run_never_replaces_another_runs_checkpoints(tmp_path):
     """Before: a run without --load pointed at an existing --save replaced that run's step2 (rc 0, no word). Now it
     is refused before any work, naming the tags and the three ways on; resuming there, or --save-into-existing,
-    still writes there."""
+    still writes there. A fresh run into another run's --output-dir keeps that run's outputs whole."""
     ck = tmp_path / "ck"
     first = run(*QUICK, "--save", str(ck), "--output-dir", str(tmp_path / "a"))
     assert first.returncode == 0, first.stderr[-3000:]
     saved = (ck / "step2" / "manifest.json").read_text()
+    first_metrics = (tmp_path / "a" / "metrics.jsonl").read_text()
     error = one_error(run(*QUICK, "--lr", "1e-2", "--save", str(ck), "--output-dir", str(tmp_path / "b")))
     assert f"--save '{ck}' already holds checkpoints (step2; latest: step2)" in error, error
     assert f"--load {ck}" in error and "--save-into-existing" in error
     assert (ck / "step2" / "manifest.json").read_text() == saved  # untouched
     assert not (tmp_path / "b" / "metrics.jsonl").exists()  # refused before any work
-    # told to: it writes there (its own step2 replaces the other's)
+    # told to: it writes there (its own step2 replaces the other's); into the first run's --output-dir, whose
+    # outputs it moves aside whole and says so (before: it emptied metrics.jsonl and replaced run.toml and loss.png)
     proc = run(
-        *QUICK, "--lr", "1e-2", "--save", str(ck), "--save-into-existing", "--output-dir", str(tmp_path / "c")
+        *QUICK, "--lr", "1e-2", "--save", str(ck), "--save-into-existing", "--output-dir", str(tmp_path / "a")
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (ck / "step2" / "manifest.json").read_text() != saved
+    (kept,) = os.listdir(tmp_path / "a" / "previous-runs")
+    assert (tmp_path / "a" / "previous-runs" / kept / "metrics.jsonl").read_text() == first_metrics
+    assert "held an earlier run's outputs (run.toml, metrics.jsonl, loss.png): moved to" in proc.stderr
+    assert (tmp_path / "a" / "metrics.jsonl").read_text() != first_metrics
 
 
 @pytest.mark.parametrize(
