@@ -86,9 +86,7 @@ class Trainer(ResumeChecks, TrainSteps):
         self.last_valid: dict[str, Any] | None = None  # its record
         self.start_step = 0
         self.resumed_run: str | None = None  # the run id its --load checkpoint records (a resume)
-        self.run_id: str | None = (
-            None  # this run's (rank 0: training/output_dir.py), recorded by its checkpoints
-        )
+        self.run_id: str | None = None  # rank 0's (output_dir.py), recorded by its checkpoints
         self.load_tag: str | None = None  # --load's tag, verified in setup()
         self.base_only = False  # a LoRA run whose --load holds no adapters: its weights are the base
         # a LoRA run's base (`checkpoint/base_weights.py`): recorded by its checkpoints, which then hold the
