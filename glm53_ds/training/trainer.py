@@ -101,7 +101,7 @@ class Trainer(ResumeChecks, TrainSteps):
         self.last: dict[str, Any] = {}
         self.writer: MetricsWriter | None = None
         self.progress: tqdm | None = None
-        self.save_lock: DirectoryLock | None = None
+        self.locks: list[DirectoryLock] = []  # --save's and --output-dir's writer locks (rank 0 holds them)
         self.running_step: int | None = None  # the step running (0-based), for a stop's message
         self._skipped_updates = 0  # steps whose global batch held no target tokens
         self.flops: StepFlops | None = None  # the FLOP model of a step (set in setup)
@@ -109,12 +109,12 @@ class Trainer(ResumeChecks, TrainSteps):
         self.report = RunReport()  # the periodic lines' interval throughput, the end-of-run summary
 
     def close(self) -> None:
-        """Release what the run holds (the engine, the --save lock); every exit path."""
+        """Release what the run holds (the engine, the --save and --output-dir locks); every exit path."""
         if self._engine is not None:
             self._engine.close()
             self._engine = None
-        if self.save_lock is not None:
-            self.save_lock.release()
+        for lock in self.locks:
+            lock.release()
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -173,11 +173,17 @@ class Trainer(ResumeChecks, TrainSteps):
             later = agreed((lambda: stream(data)) if self.rank != 0 else lambda: None)
             return first if self.rank == 0 else later
 
-        if c.save:  # one writer per checkpoint directory (rank 0 holds the lock for the run)
-            lock = self.save_lock = DirectoryLock(c.save, "--save")
-            notice = agreed(lambda: lock.acquire() if self.rank == 0 else None)
-            if notice:
-                print(notice, file=sys.stderr)
+        # one writer per checkpoint directory and per output directory (rank 0 holds the locks for the run): a
+        # second run into either is refused before it writes there (one lock where the two are one directory)
+        for option, directory in (("--save", c.save), ("--output-dir", c.output_dir)):
+            if directory and all(
+                os.path.realpath(directory) != os.path.realpath(h.directory) for h in self.locks
+            ):
+                lock = DirectoryLock(directory, option)
+                self.locks.append(lock)
+                notice = agreed(lambda lock=lock: lock.acquire() if self.rank == 0 else None)
+                if notice:
+                    print(notice, file=sys.stderr)
         self.stream = opened(sources)
         if self.rank == 0:
             for notice in self.stream.notices:
@@ -458,7 +464,9 @@ def _report_stop(signum: int, trainer: Trainer | None) -> None:
         )
         survived = trainer.last_good() if trainer is not None else "Nothing was written yet"
         released = (
-            "; the --save lock is released" if trainer is not None and trainer.save_lock is not None else ""
+            "; the --save lock is released"
+            if trainer is not None and any(lock.option == "--save" for lock in trainer.locks)
+            else ""
         )
         print(
             f"\nerror: stopped by {signal_name(signum)}{at}{released}. {survived}",

@@ -81,3 +81,33 @@ def test_checkpoints_record_the_run():
     assert TrainingState.from_client_state(state.client_state()).run == "0123456789abcdef"
     older = {k: v for k, v in state.client_state().items() if k != "run"}  # a checkpoint from before run ids
     assert TrainingState.from_client_state(older).run is None
+
+
+def test_a_run_into_an_output_dir_in_use_is_refused(tmp_path, capsys):
+    """Before: a second run into the --output-dir of a live one (two jobs, each with its own --save, the default
+    --output-dir shared) emptied the live run's metrics.jsonl under it; with this module alone it would move the live
+    files aside. Now the directory has a writer's lock like --save's: the second run is refused before it writes
+    there, naming the holder. Control: released, the same run trains there."""
+    from glm53_ds.engine import close_distributed
+    from glm53_ds.safe_io import DirectoryLock
+    from glm53_ds.training.errors import SetupError
+    from glm53_ds.training.trainer import Trainer
+    from tests.cli import QUICK, train_config
+
+    out = tmp_path / "out"
+    live = DirectoryLock(str(out), "--output-dir")  # the live run's (this process: a running pid)
+    live.acquire()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    second = Trainer(train_config(*QUICK[2:], "--train-iters", "1", "--output-dir", str(out)))
+    try:
+        with pytest.raises(SetupError, match=rf"--output-dir '{out}'.* being written by another run"):
+            second.setup()
+        second.close()
+        assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n' and not (out / PREVIOUS).exists()
+        live.release()
+        control = Trainer(train_config(*QUICK[2:], "--train-iters", "1", "--output-dir", str(out)))
+        control.run()
+        control.close()
+        assert (out / PREVIOUS).exists() and not (out / ".glm53-writer.lock").exists()
+    finally:
+        close_distributed()
