@@ -90,19 +90,18 @@ def not_ours(save_dir: str) -> list[str]:
         return []
     tags = published_tags(save_dir)
     found = [n for n in sorted(os.listdir(save_dir)) if TAG_PATTERN.fullmatch(n) and n not in tags]
-    latest = os.path.join(save_dir, LATEST)
-    if os.path.lexists(latest) and not _names_one_of(latest, tags):
+    if os.path.lexists(os.path.join(save_dir, LATEST)) and not _latest_names_one_of(save_dir, tags):
         found.append(LATEST)
     return found
 
 
-def _names_one_of(path: str, tags: list[str]) -> bool:
-    """A `latest` as `write_latest` writes it: a small regular file whose text is one of `tags`."""
-    if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) > 4096:
+def _latest_names_one_of(save_dir: str, tags: list[str]) -> bool:
+    """`<save_dir>/latest` as `write_latest` writes it: a regular file (not a link) whose text is one of `tags`."""
+    path = os.path.join(save_dir, LATEST)
+    if os.path.islink(path) or not os.path.isfile(path):
         return False
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read().strip() in tags
+        return latest_tag(save_dir) in tags
     except (OSError, UnicodeDecodeError):
         return False
 
