@@ -14,6 +14,7 @@ import time
 import warnings
 
 from glm53_ds.plan.memory import search
+from glm53_ds.plan.run import PlannedRun
 from glm53_ds.plan.state import GiB
 from glm53_ds.training.presets import preset
 
@@ -37,16 +38,20 @@ def main() -> None:
         for length in (int(x) for x in args.lengths.split(",")):
             for gpu_name in args.gpus.split(","):
                 gpu = GPUS[gpu_name]
-                found = search(cfg, length, 1, gpu, lora_rank=lora)
+                found = search(
+                    PlannedRun.for_model(
+                        cfg, seq_length=length, micro_batch_size=1, lora_rank=lora, gpu_memory=f"{gpu}B"
+                    )
+                )
                 world, fitting = found.world, found.fitting
                 run = f"LoRA r={lora}" if lora else "full SFT"
                 if not fitting:
                     print(f"| {run} | {length:,} | {gpu_name} | > 1024 | — | — |", flush=True)
                     continue
                 m = fitting[0]
-                lay = m.layout
+                lay = m.run.config
                 print(f"| {run} | {length:,} | {gpu_name} | {world} | EP {lay.ep} × ETP {lay.etp} × SP {lay.sp}, "
-                      f"ZeRO {lay.zero}, recompute {lay.recompute}{' + activation offload' if lay.offload_activations else ''} | {m.total / GiB:.1f} GiB ({m.state.total / GiB:.0f}"
+                      f"ZeRO {m.run.zero}, recompute {lay.recompute}{' + activation offload' if lay.offload_activations else ''} | {m.total / GiB:.1f} GiB ({m.state.total / GiB:.0f}"
                       f" + {m.activations / GiB:.0f} + {m.communication / GiB:.1f}) |", flush=True)  # fmt: skip
                 rows += 1
     print(f"plan_table: {rows} rows, {time.process_time() - start:.0f} s CPU")

@@ -53,10 +53,12 @@ def check_output_dir(
     inputs: dict[str, str | None] | None = None,
     outputs: dict[str, str | None] | None = None,
     may_exist: bool = False,
+    within: dict[str, str | None] | None = None,
 ) -> None:
     """Refuse an output directory that would lose data; one `OutputPathError` naming `option` and the reason.
 
     `inputs` / `outputs`: other options' paths (None when not given) that the output may not equal, sit inside,
+    or contain. `within`: other outputs it may sit inside (an export in the run's output directory), but not equal
     or contain. `may_exist`: an existing directory is expected (a checkpoint directory that accumulates tags)."""
     target = _real(path)
     protected = {
@@ -78,6 +80,13 @@ def check_output_dir(
             )
         if _inside(o, target):
             raise OutputPathError(f"{option} {path!r} contains {other_option} {other!r}")
+    for other_option, other in (within or {}).items():
+        if other and _inside(_real(other), target):
+            o = _real(other)
+            raise OutputPathError(
+                f"{option} {path!r} {'is' if o == target else 'contains'} {other_option} {other!r}; an export may "
+                f"sit inside {other_option} (e.g. {os.path.join(other, 'hf')}), not be it or hold it"
+            )
     if os.path.exists(target):
         if not os.path.isdir(target):
             raise OutputPathError(f"{option} {path!r} exists and is not a directory")
@@ -131,6 +140,15 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def save_safetensors(tensors: dict, path: str, metadata: dict[str, str] | None = None) -> None:
+    """`safetensors.torch.save_file`, the file then given the mode a plain `open` gives under the umask: safetensors
+    0.8 creates its files 0600, which left every export, adapter and checkpoint unreadable to the serving user."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata=metadata)
+    os.chmod(path, 0o666 & ~_umask())
 
 
 def new_temp_dir(final: str) -> str:
@@ -228,6 +246,17 @@ def publish_dir(tmp: str, final: str) -> None:
     fsync_path(os.path.dirname(final))
 
 
+def remove_dir(path: str) -> None:
+    """Remove a directory this run wrote, whole or not at all to a reader: renamed aside to a hidden name first
+    (one atomic step: it is no longer at `path`), then deleted; a kill in between leaves only the hidden name."""
+    aside = os.path.join(
+        os.path.dirname(_real(path)), f".{os.path.basename(_real(path))}.removing-{uuid.uuid4().hex[:8]}"
+    )
+    os.rename(path, aside)
+    fsync_path(os.path.dirname(aside))
+    shutil.rmtree(aside)
+
+
 @contextlib.contextmanager
 def staged_dir(final: str) -> Iterator[str]:
     """Build a directory under a temporary name; published to `final` on success, removed on failure."""
@@ -290,13 +319,21 @@ def _process_start(pid: int) -> str | None:
 
 
 def _running(pid: int, started: str | None) -> bool:
+    """The process that wrote a record (pid and start time) still runs."""
+    if not _pid_exists(pid):
+        return False
+    return started is None or _process_start(pid) in (None, started)
+
+
+def _pid_exists(pid: int) -> bool:
+    """Some process has this pid now (whichever)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # someone else's process
-    return started is None or _process_start(pid) in (None, started)
+        return True
+    return True
 
 
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
@@ -395,9 +432,10 @@ class DirectoryLock:
                                 "lock file")  # fmt: skip
         if isinstance(pid, int) and _running(pid, owner.get("started")):  # type: ignore[arg-type]
             self._refuse(owner)  # alive without the flock: a writer of an older glm53_ds
-        return (
-            f"{self.option}: took over the stale lock of pid {pid} on {host} (no longer running): {self.path}"
-        )
+        why = "no longer running"
+        if isinstance(pid, int) and _pid_exists(pid):  # the pid runs again, started at another time
+            why = "its pid now belongs to another process, started after that run"
+        return f"{self.option}: took over the stale lock of pid {pid} on {host} ({why}): {self.path}"
 
     def _acquire_without_flock(self) -> str | None:
         tmp = f"{self.path}.{self.run_id}"

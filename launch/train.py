@@ -21,7 +21,7 @@ if (
 ):  # what DeepSpeed would detect, said up front (it warns when it has to guess)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from glm53_ds.training.trainer import main  # noqa: E402
+from glm53_ds.training.main import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

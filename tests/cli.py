@@ -13,6 +13,7 @@ from glm53_ds.compat.deepspeed_shm import remove_buffers
 from glm53_ds.parallel.state import free_port
 from glm53_ds.training.args import build_parser
 from glm53_ds.training.config import TrainConfig
+from glm53_ds.training.option_checks import resolve_config
 from tests.forked_processes import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,4 +105,4 @@ def train_config(*argv: str) -> TrainConfig:
     """The trainer's configuration for a command line, resolved as the trainer does (no process started)."""
     from glm53_ds.training.run_file import parse_with_config
 
-    return TrainConfig.from_args(parse_with_config(build_parser(), list(argv))[0])
+    return resolve_config(parse_with_config(build_parser(), list(argv))[0])

@@ -8,7 +8,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from glm53_ds.engine import checkpoint  # noqa: E402
-from glm53_ds.training.trainer import main  # noqa: E402
+from glm53_ds.training.main import main  # noqa: E402
 
 _at = sys.argv.index("--die-during-save")
 TAG = sys.argv[_at + 1]

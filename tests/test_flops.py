@@ -10,6 +10,7 @@ import torch
 from glm53_ds.flops import device_peak_tflops, matrix_parameters, mean_visible, step_flops
 from glm53_ds.model import build_model
 from glm53_ds.plan import count_parameters
+from glm53_ds.plan.run import PlannedRun
 from glm53_ds.training.presets import preset
 
 
@@ -30,7 +31,7 @@ def test_the_matrices_are_the_active_parameters(name):
         + model.embedding.weight.numel()
         + small
     )
-    assert rebuilt == count_parameters(cfg).active
+    assert rebuilt == count_parameters(PlannedRun.for_model(cfg)).active
 
 
 def test_the_attention_terms():

@@ -122,6 +122,14 @@ def test_the_writer_lock_and_its_stale_rule(tmp_path):
     assert notice is not None and f"stale lock of pid {pid}" in notice
     assert json.loads(lock_path.read_text())["run"] == second.run_id
     second.release()
+    # a record whose pid runs again as another process (here: this one, started at another time): taken over, and
+    # said so (before: "no longer running", which the user could see was false); control: a gone pid says that
+    lock_path.write_text(json.dumps(dict(owner, pid=os.getpid(), started="1", run="z")))
+    reused = safe_io.DirectoryLock(str(tmp_path), "--save")
+    said = reused.acquire()
+    assert said is not None and "its pid now belongs to another process" in said, said
+    reused.release()
+    assert "no longer running" in notice and "another process" not in notice
     for left in ("", '{"host": "x", "pi'):  # a writer killed before or while writing its record
         lock_path.write_text(left)
         third = safe_io.DirectoryLock(str(tmp_path), "--save")
@@ -339,3 +347,29 @@ def test_a_full_disk_is_said_in_words_and_the_staging_is_removed(tmp_path, monke
         with safe_io.disk_full_said(str(tmp_path), str(staging), "the save of step4"):
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4416 vs 4310")
     assert staging.exists()
+
+
+def test_weights_files_follow_the_umask(tmp_path):
+    """Before: every safetensors file the project wrote (HF exports, PEFT adapters, checkpoints) was 0600 under umask
+    022 (safetensors 0.8 creates its files so), unreadable to a serving user. Now each is 0644, as `open` gives.
+    Control: safetensors' own writer still gives 0600 (the case this guards)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from glm53_ds.checkpoint import ShardWriter
+    from glm53_ds.convert.export_adapter import write_peft_adapter
+
+    old_mask = os.umask(0o022)
+    try:
+        tensors = {"w": torch.zeros(2, 2)}
+        save_file(tensors, str(tmp_path / "raw.safetensors"))
+        assert stat.S_IMODE(os.stat(tmp_path / "raw.safetensors").st_mode) == 0o600  # the control
+        write_peft_adapter(str(tmp_path / "adapter"), tensors, {"r": 1})
+        writer = ShardWriter(str(tmp_path / "shards"), "model")
+        writer.add("w", tensors["w"])
+        writer.close()
+        written = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f != "raw.safetensors"]
+        assert len([p for p in written if p.endswith(".safetensors")]) == 2
+        assert {p: stat.S_IMODE(os.stat(p).st_mode) for p in written} == dict.fromkeys(written, 0o644)
+    finally:
+        os.umask(old_mask)

@@ -81,6 +81,21 @@ def latest_tag(load_dir: str) -> str:
 TAG_PATTERN = re.compile(r"step\d+")  # the trainer's tags (`step<N>`), the names its saves replace whole
 
 
+def tag_step(tag: str) -> int | None:
+    """The step of a trainer's tag (`step300` -> 300), None for another name."""
+    return int(tag[4:]) if TAG_PATTERN.fullmatch(tag) else None
+
+
+def later_tags(directory: str, tag: str) -> list[str]:
+    """The published trainer's tags of `directory` past `tag`'s step, in step order: what a run branching from `tag`
+    would write over if it saved there."""
+    step = tag_step(tag)
+    if step is None:
+        return []
+    later = [(s, t) for t in published_tags(directory) if (s := tag_step(t)) is not None and s > step]
+    return [t for _, t in sorted(later)]
+
+
 def not_ours(save_dir: str) -> list[str]:
     """The entries of `save_dir` a run's saves would replace that no save wrote: one named like a tag (`step<N>`)
     that is not a published checkpoint (a re-save replaces a tag whole, removing the old one), and a `latest` that

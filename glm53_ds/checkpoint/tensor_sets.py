@@ -14,8 +14,8 @@ import os
 from collections.abc import Iterator
 
 import torch
-from safetensors.torch import save_file
 
+from ..safe_io import save_safetensors
 from .safetensors_file import SafetensorsSet, check_plain_file_name
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
@@ -56,7 +56,7 @@ class ShardWriter:
     def _flush(self) -> None:
         file = f"{self.file_stem}-{len(self._files) + 1:05d}.safetensors"
         tmp = os.path.join(self.directory, f".{file}.tmp{os.getpid()}")
-        save_file(self._pending, tmp, metadata={"format": "pt"})
+        save_safetensors(self._pending, tmp, metadata={"format": "pt"})
         os.replace(tmp, os.path.join(self.directory, file))
         self._files.append((file, list(self._pending)))
         self._pending, self._pending_bytes = {}, 0

@@ -28,14 +28,13 @@ import os
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from ..checkpoint import CheckpointDir
 from ..config import Glm53Config
 from ..layers.lora import LoraSpec, is_lora_param
 from ..layers.lora_targets import apply_lora
 from ..model import build_model
-from ..safe_io import check_output_dir, staged_dir
+from ..safe_io import check_output_dir, save_safetensors, staged_dir
 from .import_hf import ConversionError
 from .names import Placement, in_memory_module, released_layout
 
@@ -128,7 +127,7 @@ def write_peft_adapter(out: str, tensors: dict[str, torch.Tensor], config: dict[
     files replaced)."""
     check_output_dir(out, "--out", force=force, inputs=inputs or {})
     with staged_dir(out) as tmp:
-        save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        save_safetensors(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)
     return out

@@ -86,6 +86,23 @@ class NativeCheckpoint(CheckpointDir):
                     tie_word_embeddings=self.model_config.tie_word_embeddings, dtype="float32")  # fmt: skip
 
 
+def say_weights_dtype(path: str, dtype: torch.dtype) -> None:
+    """config.json's `dtype` (and an older `torch_dtype`, top level and text config) set to the dtype the exported
+    weights are in (the one most of their elements have): a config carried from a float32 base said float32 over
+    bf16 weights. A config that already says it is left byte for byte."""
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    name = str(dtype).removeprefix("torch.")
+    sections = [config] + ([config["text_config"]] if isinstance(config.get("text_config"), dict) else [])
+    keys = [(d, k) for d in sections for k in ("dtype", "torch_dtype") if k in d] or [(config, "dtype")]
+    if all(d.get(k) == name for d, k in keys):
+        return
+    for d, k in keys:
+        d[k] = name
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+
+
 GENERATION_CONFIG = "generation_config.json"
 # Config fields a training run may change on purpose (the export's config.json carries the run's values).
 RUN_FIELDS = frozenset({"mtp_loss_weight", "num_nextn_predict_layers"})
@@ -129,8 +146,12 @@ def native_to_hf(
         writer = ShardWriter(tmp, "model", shard_bytes, index_file="model.safetensors.index.json")
         total = len(released_layout(native.model_config, mtp=native.mtp))  # the text model's released tensors
         bar = tqdm(desc="export", unit="tensor", total=total) if progress else None
+        elements: dict[
+            torch.dtype, int
+        ] = {}  # the text model's elements by dtype: what config.json's dtype says
         for name, tensor in native.released():
             writer.add(name, tensor)
+            elements[tensor.dtype] = elements.get(tensor.dtype, 0) + tensor.numel()
             if bar is not None:
                 bar.update(1)
         if hf_template:
@@ -140,6 +161,8 @@ def native_to_hf(
                     writer.add(name, source.raw(name))  # unchanged, bytes and dtype
         writer.close()
         native.write_hf_config(os.path.join(tmp, "config.json"), hf_template, verbatim=config_json)
+        if elements:
+            say_weights_dtype(os.path.join(tmp, "config.json"), max(elements, key=lambda d: elements[d]))
         tokenizer_dir = tokenizer or hf_template
         if tokenizer_dir == "bytes":
             write_byte_tokenizer(tmp)

@@ -45,7 +45,8 @@ from ..layers.fused_kernels import workspace_of_backward
 from ..layers.mtp import Glm53MtpLayer
 from ..model import Glm53Model
 from ..parallel.layout import smallest_world, validate_layout
-from .dry_run import LOSS_CHUNK_MIB, rank_model_on_meta
+from .dry_run import rank_model_on_meta
+from .run import PlannedRun
 
 MTP_KIND = "mtp"
 
@@ -323,19 +324,16 @@ def profile_step(model: Glm53Model, step: Callable[[], torch.Tensor]) -> Activat
     return profile
 
 
-def plan_activations(
-    cfg: Glm53Config, seq_length: int, micro_batch: int = 1, ep: int = 1, etp: int = 1, sp: int = 1,
-    recompute: str = "none", lora_rank: int = 0, offload_activations: bool = False, moe_tile_mib: int = 0,
-    loss_chunk_mib: int = LOSS_CHUNK_MIB, indexer_loss_coef: float = 0.0,
-) -> ActivationProfile:  # fmt: skip
-    """One rank's activation profile at the layout (rank 0 of the smallest fake world of the layout: every rank of a
-    layout holds the same shapes), measured on the meta device on the reduced model: one micro-batch of
-    `micro_batch` x `seq_length` tokens through the loss and back, the `--recompute` mode and LoRA adapters of the
-    run. Compose it over the whole model with `peak(layer_kinds(cfg))`."""
-    validate_layout(smallest_world(ep, etp, sp), ep, etp, cfg, sp=sp, seq_length=seq_length)
-    model, _ = rank_model_on_meta(reduced_config(cfg), ep, etp, sp, lora_rank=lora_rank, recompute=recompute,
-                                  offload_activations=offload_activations, moe_tile_mib=moe_tile_mib,
-                                  loss_chunk_mib=loss_chunk_mib, indexer_loss_coef=indexer_loss_coef)  # fmt: skip
+def plan_activations(run: PlannedRun) -> ActivationProfile:
+    """One rank's activation profile at the run's layout (rank 0 of the smallest fake world of the layout: every
+    rank of a layout holds the same shapes), measured on the meta device on the reduced model: one micro-batch of
+    the run's micro batch x length through the loss and back, with its recompute mode, offload, tiles, loss chunk,
+    losses and adapters (`rank_model_on_meta`). Compose it over the whole model with `peak(layer_kinds(cfg))`."""
+    c = run.config
+    validate_layout(
+        smallest_world(c.ep, c.etp, c.sp), c.ep, c.etp, run.model, sp=c.sp, seq_length=c.seq_length
+    )
+    model, _ = rank_model_on_meta(run.variant(model=reduced_config(run.model)))
     assert isinstance(model, Glm53Model)
-    ids = torch.zeros(micro_batch, seq_length, dtype=torch.long, device="meta")
+    ids = torch.zeros(c.micro_batch_size, c.seq_length, dtype=torch.long, device="meta")
     return profile_step(model, lambda: model(ids, labels=ids))

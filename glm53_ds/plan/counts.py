@@ -1,8 +1,8 @@
 """Exact parameter counts of one rank at a layout, from the model itself built on the meta device.
 
-`count_parameters(cfg, ep, etp, lora_rank, mtp)` builds `Glm53Model` on the meta device (no memory, under a second
-at the released size) with every expert whole, applies the LoRA adapters the run would (`apply_lora`,
-`select_trainable`), and restates each tensor at one rank of the layout through the shard rule the model and the
+`count_parameters(run)` builds the run's `Glm53Model` (plan/run.py's `PlannedRun`: its model and options) on the
+meta device (no memory, under a second at the released size) with every expert whole, applies the LoRA adapters
+and trainable set the run would (`apply_lora`, `select_trainable`), and restates each tensor at one rank of the layout through the shard rule the model and the
 checkpoints use (`checkpoint/placement.py`, from `ExpertShard`): a replicated tensor whole, a grouped expert tensor
 (and its adapters) as that rank's slice. Every rank of a layout holds the same counts (experts divide evenly over EP,
 their FFN over ETP). Kinds: `replicated` (attention, dense MLP, shared expert, router, norms, mHC `fn`, embeddings),
@@ -12,18 +12,16 @@ into trained and frozen; buffers apart.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from ..checkpoint.placement import expert_split, placement
-from ..config import Glm53Config
-from ..layers.lora import LoraSpec
 from ..layers.lora_targets import apply_lora
 from ..model import Glm53Model, build_model, fp32_kept_names
 from ..parallel.expert_shard import ExpertShard
-from ..training.trainable import indexer_loss_trainable, select_trainable
+from ..training.trainable import select_trainable
+from .run import PlannedRun
 
 KINDS = ("replicated", "expert", "fp32_kept")
 
@@ -43,36 +41,24 @@ class ParameterCounts:
         return self.trained[kind] + self.frozen[kind]
 
 
-def lora_spec(rank: int, alpha: float | None = None, targets: tuple[str, ...] | None = None) -> LoraSpec:
-    """The adapters a LoRA run of `rank` applies (alpha defaults to the rank)."""
-    spec = LoraSpec(rank=rank, alpha=float(alpha or rank))
-    return dataclasses.replace(spec, targets=tuple(targets)) if targets else spec
-
-
-def whole_model_on_meta(
-    cfg: Glm53Config, lora_rank: int = 0, lora_alpha: float | None = None,
-    lora_targets: tuple[str, ...] | None = None, mtp: bool = True,
-) -> Glm53Model:  # fmt: skip
-    """The whole model (every expert) on the meta device, bf16, with the run's LoRA adapters when `lora_rank` > 0."""
+def whole_model_on_meta(run: PlannedRun) -> Glm53Model:
+    """The run's whole model (every expert) on the meta device, bf16, with its LoRA adapters."""
+    spec = run.config.lora_spec()
     with torch.device("meta"):
-        model = build_model(cfg, dtype=torch.bfloat16, mtp=mtp and cfg.num_nextn_predict_layers > 0,
+        model = build_model(run.model, dtype=torch.bfloat16, mtp=run.model.num_nextn_predict_layers > 0,
                             perform_initialization=False)  # fmt: skip
-        if lora_rank:
-            apply_lora(model, lora_spec(lora_rank, lora_alpha, lora_targets))
+        if spec is not None:
+            apply_lora(model, spec)
     return model
 
 
-def count_parameters(
-    cfg: Glm53Config, ep: int = 1, etp: int = 1, lora_rank: int = 0, lora_alpha: float | None = None,
-    lora_targets: tuple[str, ...] | None = None, mtp: bool = True, train_indexer: bool = False,
-) -> ParameterCounts:  # fmt: skip
-    """One rank's counts at EP `ep` x ETP `etp` (a LoRA run of rank `lora_rank` when > 0)."""
-    shard = ExpertShard.for_config(cfg, ep, 0, etp, 0)
-    model = whole_model_on_meta(cfg, lora_rank, lora_alpha, lora_targets, mtp)
-    trainable = indexer_loss_trainable(bool(lora_rank), train_indexer)
-    select_trainable(
-        model, lora=bool(lora_rank), trainable=trainable, freeze=None, train_indexer=train_indexer
-    )
+def count_parameters(run: PlannedRun) -> ParameterCounts:
+    """One rank's counts at the run's EP x ETP, with its adapters and trainable set."""
+    cfg, c = run.model, run.config
+    shard = ExpertShard.for_config(cfg, c.ep, 0, c.etp, 0)
+    model = whole_model_on_meta(run)
+    select_trainable(model, lora=c.lora_rank > 0, trainable=run.trainable, freeze=c.freeze,
+                     train_indexer=run.trains_indexer)  # fmt: skip
     kept = set(fp32_kept_names(model))
     out = ParameterCounts()
     experts_per_token = cfg.num_experts_per_tok

@@ -55,17 +55,16 @@ from ..model import Glm53Model
 from ..parallel import init_layout
 from ..parallel.layout import smallest_world, validate_layout
 from ..specs import get_glm53_block_spec, get_glm53_mtp_block_spec
-from ..training.config import TrainConfig, check_seq_length, recompute_overrides
-from ..training.model_converters import apply_converters, model_converters
-from ..training.options import add_options, say_defaults
+from ..training.config import TrainConfig, check_seq_length
+from ..training.model_converters import apply_converters
+from ..training.options import add_options, check_bounds, say_defaults
 from ..training.presets import PRESETS, named_config
-from ..training.trainable import indexer_loss_trainable
 from ..transformer_config import make_transformer_config
 from .cli import check_numbers
-from .counts import count_parameters, lora_spec, whole_model_on_meta
+from .counts import count_parameters, whole_model_on_meta
+from .run import PlannedRun
 
 INT32_LIMIT = 2**31 - 1
-LOSS_CHUNK_MIB = TrainConfig.loss_chunk_mib  # the trainer's default chunk of the loss head's fp32 logits
 
 # ops that only store, move or select int32 values (no arithmetic on them)
 _INT32_STORAGE_OPS = {
@@ -166,35 +165,34 @@ class KernelOperands(TorchDispatchMode):
 DRY_RUN_SCORE_BLOCK_BYTES = 2**34  # 16 GiB blocks of index scores: 64 blocks per DSA layer at 1M tokens
 
 
-def dry_run(
-    cfg: Glm53Config, seq_length: int, ep: int = 1, etp: int = 1, rank: int = 0, micro_batch: int = 1,
-    lora_rank: int = 0, gpt_model: bool = False, name: str = "model", sp: int = 1,
-    loss_chunk_mib: int = LOSS_CHUNK_MIB, indexer_loss_coef: float = 0.0,
-) -> DryRun:  # fmt: skip
-    """Rank `rank` of the smallest world holding EP x ETP x SP (a fake world, joined here), forward + backward on
-    meta; under SP the rank gets whole rows and runs its shard, as the trainer's ranks do."""
+def dry_run(run: PlannedRun, rank: int = 0, gpt_model: bool = False, name: str = "model") -> DryRun:
+    """Rank `rank` of the smallest world holding the run's EP x ETP x SP (a fake world, joined here), forward +
+    backward on meta; under SP the rank gets whole rows and runs its shard, as the trainer's ranks do."""
     warnings.filterwarnings("ignore", category=UserWarning)  # megatron's notices about optional kernels
+    cfg, c = run.model, run.config
+    seq_length, ep, etp, sp, lora_rank = c.seq_length, c.ep, c.etp, c.sp, c.lora_rank
     check_seq_length(seq_length, cfg)
     if gpt_model and sp > 1:
         raise ValueError("--gpt-model runs without sequence parallelism (a stock GPTModel has no SP groups)")
-    if gpt_model and indexer_loss_coef > 0:
+    if gpt_model and c.indexer_loss_coef > 0:
         raise ValueError("--gpt-model with --indexer-loss-coef: the indexer loss is Glm53Model's (a stock GPTModel "
                          "returns per-token LM losses only)")  # fmt: skip
     validate_layout(smallest_world(ep, etp, sp), ep, etp, cfg, sp=sp, seq_length=seq_length)
-    report = DryRun(name, seq_length, micro_batch, ep, etp, rank, lora_rank, gpt_model, sp, indexer_loss_coef)
+    micro_batch = c.micro_batch_size
+    report = DryRun(
+        name, seq_length, micro_batch, ep, etp, rank, lora_rank, gpt_model, sp, c.indexer_loss_coef
+    )
     start = time.perf_counter()
-    model, shard = rank_model_on_meta(cfg, ep, etp, sp, rank=rank, lora_rank=lora_rank,
-                                      gpt_model_length=seq_length if gpt_model else 0,
-                                      loss_chunk_mib=loss_chunk_mib, indexer_loss_coef=indexer_loss_coef)  # fmt: skip
+    model, shard = rank_model_on_meta(run, rank=rank, gpt_model_length=seq_length if gpt_model else 0)
     report.seconds["build"] = time.perf_counter() - start
     report.parameters_held = sum(p.numel() for p in model.parameters())
-    planned = count_parameters(cfg, ep, etp, lora_rank=lora_rank)
+    planned = count_parameters(run)
     report.planned_held = sum(planned.held(k) for k in planned.trained)
     if report.planned_held != report.parameters_held:
         report.problems.append(f"rank {rank} holds {report.parameters_held:,} parameter elements, the planner "
                                f"counts {report.planned_held:,}")  # fmt: skip
     if not gpt_model:  # shards by native name (a GPTModel names its tensors megatron's way)
-        whole = {n: p.shape for n, p in whole_model_on_meta(cfg, lora_rank).named_parameters()}
+        whole = {n: p.shape for n, p in whole_model_on_meta(run).named_parameters()}
         report.problems += shard_problems(model, whole, shard)
     report.local_experts = shard.num_local
     # shapes, not bytes, here: the DSA indexers score queries in the largest blocks (each block costs a Python
@@ -234,31 +232,24 @@ def dry_run(
 
 
 def rank_model_on_meta(
-    cfg: Glm53Config, ep: int = 1, etp: int = 1, sp: int = 1, rank: int = 0, lora_rank: int = 0,
-    recompute: str = "none", gpt_model_length: int = 0, offload_activations: bool = False, moe_tile_mib: int = 0,
-    loss_chunk_mib: int = LOSS_CHUNK_MIB, indexer_loss_coef: float = 0.0,
-) -> tuple[torch.nn.Module, Any]:  # fmt: skip
-    """Rank `rank` of the smallest fake world that holds EP x ETP x SP (joined here; `layout.smallest_world`): its model as the trainer builds it (bf16,
-    the LoRA adapters and trainable set of a run, the `--recompute` mode, activation offload, MoE tiles, the loss
-    head's chunk and the indexer's own loss), on the meta
-    device, and its expert shard.
-    `gpt_model_length` > 0: a stock megatron `GPTModel` from the specs for sequences of that length instead."""
-    fake_world(smallest_world(ep, etp, sp), rank)
-    layout = init_layout(ep, etp, cfg, sp=sp)
+    run: PlannedRun, rank: int = 0, gpt_model_length: int = 0
+) -> tuple[torch.nn.Module, Any]:
+    """Rank `rank` of the smallest fake world that holds the run's EP x ETP x SP (joined here;
+    `layout.smallest_world`): its model as the trainer builds it (bf16, the transformer config of its options:
+    recompute, activation offload, MoE tiles, the loss head's chunk, the losses; its LoRA adapters and trainable
+    set: the trainer's converters), on the meta device, and its expert shard. `gpt_model_length` > 0: a stock
+    megatron `GPTModel` from the specs for sequences of that length instead."""
+    cfg, c = run.model, run.config
+    fake_world(smallest_world(c.ep, c.etp, c.sp), rank)
+    layout = init_layout(c.ep, c.etp, cfg, sp=c.sp)
     gpt_model = gpt_model_length > 0
     tconfig = make_transformer_config(cfg, torch.bfloat16, mtp=gpt_model and cfg.num_nextn_predict_layers > 0,
-                                      expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-                                      perform_initialization=False, loss_chunk_bytes=loss_chunk_mib * 2**20,
-                                      offload_activations=offload_activations, moe_tile_bytes=moe_tile_mib * 2**20,
-                                      indexer_loss_coef=indexer_loss_coef, **recompute_overrides(recompute))  # fmt: skip
+                                      perform_initialization=False, **c.transformer_overrides())  # fmt: skip
     with torch.device("meta"):
         model = _gpt_model(cfg, tconfig, gpt_model_length) if gpt_model else Glm53Model(
             tconfig, pg_collection=layout.pg_collection)  # fmt: skip
-        # the trainer's converters (training/model_converters.py): the adapters, and only they train
-        indexer = indexer_loss_trainable(bool(lora_rank), indexer_loss_coef > 0)
-        apply_converters(model, model_converters(lora_spec(lora_rank) if lora_rank else None, trainable=indexer,
-                                                 train_indexer=indexer_loss_coef > 0))  # fmt: skip
-    _check_traceable_experts(model, cfg, lora_rank)
+        apply_converters(model, run.converters())  # the trainer's: the adapters and the trainable set
+    _check_traceable_experts(model, cfg, c.lora_rank)
     return model, layout.expert_shard(cfg)
 
 
@@ -336,24 +327,25 @@ def main(argv: list[str] | None = None) -> int:
         "--gpt-model", action="store_true", help="through a stock megatron GPTModel from the specs"
     )
     p.add_argument("--layers", type=int, default=0, help="only the first N decoder layers (0: all)")
-    defaults = dict(loss_chunk_mib=LOSS_CHUNK_MIB, indexer_loss_coef=0.0)  # the trainer's
-    add_options(p, TrainConfig, names=tuple(defaults), defaults=defaults)
-    say_defaults(p, defaults)
+    trainers = ("loss_chunk_mib", "indexer_loss_coef")  # the trainer's options, with its defaults
+    add_options(p, TrainConfig, names=trainers, defaults={n: getattr(TrainConfig, n) for n in trainers})
+    say_defaults(p, {n: getattr(TrainConfig, n) for n in trainers})
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = p.parse_args(argv)
     try:
-        check_numbers(args, dict(ep=1, etp=1, sp=1, seq_length=1, micro_batch_size=1, lora_rank=0, layers=0, rank=0,
-                                 loss_chunk_mib=0, indexer_loss_coef=0))  # fmt: skip
-        world = smallest_world(args.ep, args.etp, args.sp)
+        check_numbers(args, dict(layers=0, rank=0))
+        world = smallest_world(max(args.ep, 1), max(args.etp, 1), max(args.sp, 1))
         if args.rank >= world:
             raise ValueError(f"--rank {args.rank} is outside the world of {world} ranks of EP {args.ep} x ETP "
                              f"{args.etp} x SP {args.sp} (0 .. {world - 1})")  # fmt: skip
         cfg = named_config(args.model_config)
         if args.layers:
             cfg = first_layers(cfg, args.layers)
-        report = dry_run(cfg, args.seq_length, args.ep, args.etp, args.rank, args.micro_batch_size, args.lora_rank,
-                         args.gpt_model, name=args.model_config, sp=args.sp, loss_chunk_mib=args.loss_chunk_mib,
-                         indexer_loss_coef=args.indexer_loss_coef)  # fmt: skip
+        run = PlannedRun.for_model(cfg, ep=args.ep, etp=args.etp, sp=args.sp, seq_length=args.seq_length,
+                                   micro_batch_size=args.micro_batch_size, lora_rank=args.lora_rank,
+                                   loss_chunk_mib=args.loss_chunk_mib, indexer_loss_coef=args.indexer_loss_coef)  # fmt: skip
+        check_bounds(run.config)  # the options' declared least values (--ep 0, --loss-chunk-mib -1, ...)
+        report = dry_run(run, args.rank, args.gpt_model, name=args.model_config)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,17 +1,15 @@
 """`TrainConfig`: the run's typed description, every option declared once and resolved once.
 
-Each field is an option (training/options.py): its section, help and choices; the command line
-(`deepspeed launch/train.py`), the run file (`--config run.toml`) and the planner's shared flags are generated from
-them. `from_args` resolves the defaults (data, tokenizer, output directory, router-bias rate and the learning-rate
-floor by model) and runs the checks that need no process group (training/option_checks.py), each a `SetupError`
-naming the option. Checks that need the world size (layout, batch sizes) run in the trainer's set-up, still before
-the model is built.
+Each field is an option (training/options.py): its section, help, choices, least value and what the planner does
+with it; the command line (`deepspeed launch/train.py`), the run file (`--config run.toml`) and the planner's flags
+are generated from them. This module declares; training/option_checks.py (which imports it, never the other way)
+resolves the defaults that follow the model and runs the checks that need no process group (`resolve_config`), each
+a `SetupError` naming the option. Checks that need the world size (layout, batch sizes) run in the trainer's set-up,
+still before the model is built.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -20,13 +18,13 @@ from typing import Any
 from ..config import Glm53Config
 from ..layers.lora import LORA_TARGETS, LoraSpec
 from .errors import SetupError
-from .model_source import REAL_WIDTH, RUN_SCALE_OPTIONS, resolve_model
-from .option_checks import RECOMPUTE, check_adapter_export, check_inputs, check_output_paths
-from .options import option
+from .options import MEMORY, SEARCHED, option
 from .packing import LONG_DOCUMENTS
-from .presets import DEFAULT_ROUTER_BIAS_UPDATE_RATE, PRESET_ROUTER_BIAS_UPDATE_RATE
+from .presets import DEFAULT_ROUTER_BIAS_UPDATE_RATE
 
 __all__ = ["RECOMPUTE", "SetupError", "TrainConfig", "check_seq_length", "recompute_overrides"]
+
+RECOMPUTE = ("none", "selective", "full")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_DATA = os.path.join(REPO_ROOT, "data", "tiny_corpus.txt")
@@ -62,44 +60,48 @@ class TrainConfig:
 
     # ---- model
     hf_dir: str | None = option(None, MODEL, "start from a released checkpoint (config.json + safetensors); each "
-                                "rank reads only the tensors it holds")  # fmt: skip
+                                "rank reads only the tensors it holds", plan=MEMORY)  # fmt: skip
     model_config: str | None = option(None, MODEL, "a config.json, or a preset: tiny, glm-5.3-flash (default: "
-                                      "tiny, or --hf-dir's config)")  # fmt: skip
-    mtp_loss_weight: float | None = option(None, MODEL, "default: the config's (0.3)")
-    no_mtp: bool = option(False, MODEL, "train without the MTP layer")
+                                      "tiny, or --hf-dir's config)", plan=MEMORY)  # fmt: skip
+    mtp_loss_weight: float | None = option(None, MODEL, "default: the config's (0.3)", least=0)
+    no_mtp: bool = option(False, MODEL, "train without the MTP layer", plan=MEMORY)
     recompute: str = option("none", MODEL, "activation recompute: selective = mHC pre/post + FFN; full = whole "
-                            "layers", choices=RECOMPUTE)  # fmt: skip
+                            "layers", choices=RECOMPUTE, plan=SEARCHED)  # fmt: skip
     offload_activations: bool = option(False, MODEL, "with --recompute full: each layer's kept inputs go to pinned "
                                        "host memory as they are produced and come back one layer ahead of the "
-                                       "backward (the same losses and gradients; docs/usage.md)")  # fmt: skip
+                                       "backward (the same losses and gradients; docs/usage.md)", plan=SEARCHED)  # fmt: skip
     moe_tile_mib: int = option(0, MODEL, "route and compute each MoE layer's tokens in tiles whose expert "
                                "activations fit in this many MiB, each tile recomputed in backward, so the MoE's "
                                "peak is one tile's; the dense MLPs, shared experts and mHC mixes tile within the same budget "
-                               "(long rows; the same losses; 0: all tokens at once)")  # fmt: skip
-    aux_loss_coef: float = option(0.0, MODEL, "sequence-wise MoE balance loss weight (0 = off)")
+                               "(long rows; the same losses; 0: all tokens at once)", plan=MEMORY, least=0)  # fmt: skip
+    aux_loss_coef: float = option(
+        0.0, MODEL, "sequence-wise MoE balance loss weight (0 = off)", plan=MEMORY, least=0
+    )
     loss_chunk_mib: int = option(256, MODEL, "the LM / MTP loss runs over chunks of tokens whose fp32 logits fit "
-                                 "in this many MiB, never holding [tokens, vocab] logits; 0 = materialised logits")  # fmt: skip
+                                 "in this many MiB, never holding [tokens, vocab] logits; 0 = materialised logits", plan=MEMORY, least=0)  # fmt: skip
     indexer_loss_coef: float = option(0.0, MODEL, "train the DSA indexers by a KL loss to the main attention "
                                       "(DeepSeek-V3.2), weighted by this; 0 keeps them frozen, as the LM loss gives "
-                                      "them no gradient (docs/indexer_loss.md)")  # fmt: skip
+                                      "them no gradient (docs/indexer_loss.md)", plan=MEMORY, least=0)  # fmt: skip
     # ---- fine-tuning: LoRA adapters and which parameters train
     lora_rank: int = option(0, FINE_TUNING, "LoRA adapters of this rank on --lora-targets, the base frozen (its "
-                            "router bias too: --router-bias-update-rate defaults to 0) (0: full fine-tuning)")  # fmt: skip
+                            "router bias too: --router-bias-update-rate defaults to 0) (0: full fine-tuning)", plan=MEMORY, least=0)  # fmt: skip
     lora_alpha: float | None = option(None, FINE_TUNING, "the adapters' scale is alpha / rank (default: alpha = "
                                       "rank)")  # fmt: skip
-    lora_dropout: float = option(0.0, FINE_TUNING, "dropout on the adapters' input")
+    lora_dropout: float = option(0.0, FINE_TUNING, "dropout on the adapters' input", plan=MEMORY)
     lora_targets: str = option(",".join(LORA_TARGETS), FINE_TUNING, "comma-separated: mla, kda, mlp, "
-                               "shared_expert, experts")  # fmt: skip
+                               "shared_expert, experts", plan=MEMORY)  # fmt: skip
     trainable: str | None = option(None, FINE_TUNING, "regex of parameter names (native) that train; with LoRA "
                                    "besides the adapters (e.g. 'indexer' with --indexer-loss-coef: an indexer-only "
-                                   "warm-up)")  # fmt: skip
-    freeze: str | None = option(None, FINE_TUNING, "regex of parameter names that stay frozen (applied last)")
+                                   "warm-up)", plan=MEMORY)  # fmt: skip
+    freeze: str | None = option(
+        None, FINE_TUNING, "regex of parameter names that stay frozen (applied last)", plan=MEMORY
+    )
     # ---- parallelism
-    ep: int = option(1, PARALLELISM, "expert parallel size")
-    etp: int = option(1, PARALLELISM, "expert tensor parallel size")
+    ep: int = option(1, PARALLELISM, "expert parallel size", plan=SEARCHED, least=1)
+    etp: int = option(1, PARALLELISM, "expert tensor parallel size", plan=SEARCHED, least=1)
     sp: int = option(1, PARALLELISM, "sequence parallel size: each sequence is split contiguously over this many "
                      "ranks, attention heads over the same ranks (Ulysses); must divide --seq-length and both "
-                     "attention head counts (docs/parallelism.md)")  # fmt: skip
+                     "attention head counts (docs/parallelism.md)", plan=SEARCHED, least=1)  # fmt: skip
     # ---- data
     data: tuple[str, ...] = option((DEFAULT_DATA,), DATA, "one or more sources, each PATH or PATH:WEIGHT: an "
                                    "indexed dataset prefix (.bin/.idx), .jsonl or .txt; a .jsonl of chat "
@@ -119,36 +121,39 @@ class TrainConfig:
                                     "loss.png")  # fmt: skip
     valid_split: float = option(0.0, DATA, "instead of --valid-data: hold out this fraction of --data's samples "
                                 "(its last ones; at most 0.5) for validation; training reads the rest")  # fmt: skip
-    eval_interval: int = option(0, DATA, "steps between evaluations (0: at the end only)")
+    eval_interval: int = option(0, DATA, "steps between evaluations (0: at the end only)", least=0)
     eval_iters: int = option(10, DATA, "global batches (of the training batch size) per evaluation; the same "
-                             "samples every time")  # fmt: skip
+                             "samples every time", least=1)  # fmt: skip
     eval_at_start: bool = option(False, DATA, "also evaluate before the first step")
     tokenizer: str = option("bytes", DATA, "'bytes' or a tokenizer directory (default: bytes for presets, "
                             "--hf-dir otherwise)")  # fmt: skip
-    seq_length: int = option(64, DATA)
-    micro_batch_size: int = option(2, DATA)
+    seq_length: int = option(64, DATA, plan=MEMORY, least=1)
+    micro_batch_size: int = option(2, DATA, plan=MEMORY, least=1)
     global_batch_size: int | None = option(None, DATA, "sequences per optimizer step over all ranks (default: "
-                                           "micro batch x world size)")  # fmt: skip
+                                           "micro batch x world size)", least=1)  # fmt: skip
     seed: int = option(1234, DATA)
     # ---- optimization
-    train_iters: int = option(60, OPTIMIZATION)
+    train_iters: int = option(60, OPTIMIZATION, least=0)
     train_epochs: float | None = option(None, OPTIMIZATION, "train this many passes over the training samples "
                                         "(held-out ones excluded): sets the steps, rounded up, once the data is "
                                         "read (refused together with --train-iters)")  # fmt: skip
-    lr: float = option(3e-3, OPTIMIZATION)
-    min_lr: float = option(3e-4, OPTIMIZATION, "the cosine decay's floor (default: --lr / 10)")
-    warmup: int = option(5, OPTIMIZATION, "linear warmup steps, then cosine decay to --min-lr")
-    weight_decay: float = option(0.01, OPTIMIZATION)
+    lr: float = option(3e-3, OPTIMIZATION, least=0)
+    min_lr: float = option(3e-4, OPTIMIZATION, "the cosine decay's floor (default: --lr / 10)", least=0)
+    warmup: int = option(5, OPTIMIZATION, "linear warmup steps, then cosine decay to --min-lr", least=0)
+    weight_decay: float = option(0.01, OPTIMIZATION, least=0)
     no_decay_pattern: str | None = option(None, OPTIMIZATION, "regex of parameter names without weight decay, in "
                                           "addition to biases and 1-D parameters (norm weights, A_log, dt_bias, mHC "
                                           "base/scale)")  # fmt: skip
-    clip_grad: float = option(1.0, OPTIMIZATION)
+    clip_grad: float = option(1.0, OPTIMIZATION, least=0)
     router_bias_update_rate: float = option(DEFAULT_ROUTER_BIAS_UPDATE_RATE, OPTIMIZATION, "aux-loss-free "
                                             "balancing step; 0 turns it off (default: 1e-2 for the tiny preset, "
-                                            "else 1e-3)")  # fmt: skip
+                                            "else 1e-3)", least=0)  # fmt: skip
     # ---- checkpoints and output
     save: str | None = option(None, OUTPUT, "checkpoint directory")
-    save_interval: int = option(0, OUTPUT, "steps between saves (0: only at the end)")
+    save_interval: int = option(0, OUTPUT, "steps between saves (0: only at the end)", least=0)
+    keep_last: int = option(0, OUTPUT, "keep this run's newest N checkpoints in --save: once a newer one is whole, "
+                            "this run's older tags are removed (never the one 'latest' names, never one another run "
+                            "wrote; 0: keep all)", least=0)  # fmt: skip
     load: str | None = option(None, OUTPUT, "resume from this checkpoint directory (its 'latest' tag)")
     load_tag: str | None = option(None, OUTPUT, "resume from this tag instead of 'latest' (e.g. step300)")
     load_model_only: bool = option(False, OUTPUT, "take only --load's weights (at any layout): fresh optimizer "
@@ -168,14 +173,14 @@ class TrainConfig:
                          "directory: the files it writes replace their namesakes, nothing is deleted")  # fmt: skip
     output_dir: str = option(os.path.join("runs", "tiny"), OUTPUT, "metrics.jsonl and loss.png (default: "
                              "runs/<model>)")  # fmt: skip
-    check_replicas_interval: int = option(0, OUTPUT, "also before every save")
-    log_interval: int = option(10, OUTPUT)
+    check_replicas_interval: int = option(0, OUTPUT, "also before every save", least=0)
+    log_interval: int = option(10, OUTPUT, least=0)
     sample_prompts: str | None = option(None, OUTPUT, "generate from these prompts while training (.jsonl: "
                                         "{\"prompt\": ...} or {\"messages\": [...]}; otherwise one per line): "
                                         "greedy, through the chat template for chat data; written to <output "
                                         "dir>/samples.jsonl and TensorBoard / W&B text, the training unchanged")  # fmt: skip
-    sample_interval: int = option(0, OUTPUT, "steps between samples (0: at the end only)")
-    sample_tokens: int = option(48, OUTPUT, "new tokens per sample, at most")
+    sample_interval: int = option(0, OUTPUT, "steps between samples (0: at the end only)", least=0)
+    sample_tokens: int = option(48, OUTPUT, "new tokens per sample, at most", least=1)
     peak_tflops: float | None = option(None, OUTPUT, "the GPU's dense bf16 peak in TFLOP/s, for the MFU the log "
                                        "shows (default: 989 on H100 / H200, 312 on A100, ...: by the GPU's name; "
                                        "none on CPU)")  # fmt: skip
@@ -188,13 +193,13 @@ class TrainConfig:
     # ---- planning (python -m glm53_ds.plan --config reads them; the trainer compares gpus with its world)
     gpus: int | None = option(None, PLANNING, "the GPUs the run is planned for (`python -m glm53_ds.plan "
                               "--config` checks the description at this world; a run launched on another number "
-                              "says so)")  # fmt: skip
+                              "says so)", plan=SEARCHED, least=1)  # fmt: skip
     gpu_memory: str = option("141GB", PLANNING, "the memory of one GPU the plan is checked against (default: "
-                             "141GB, an H200)")  # fmt: skip
+                             "141GB, an H200)", plan=MEMORY)  # fmt: skip
     # ---- DeepSpeed
     deepspeed_config: str | None = option(None, DEEPSPEED, "a DeepSpeed JSON config (ZeRO stage, bf16, ...); "
                                           "batch sizes and clipping must agree with the command line (default: "
-                                          "ds_configs' choice by device)", flag="--deepspeed_config")  # fmt: skip
+                                          "ds_configs' choice by device)", flag="--deepspeed_config", plan=MEMORY)  # fmt: skip
 
     def lr_at(self, step: int) -> float:
         """Linear warmup to --lr over --warmup steps, then cosine decay to --min-lr at --train-iters."""
@@ -214,57 +219,12 @@ class TrainConfig:
             rank=self.lora_rank, alpha=alpha, dropout=self.lora_dropout, targets=targets, seed=self.seed
         )
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> TrainConfig:
-        """Resolve defaults and validate; a `SetupError` names the first bad option."""
-        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name, None) is not None}  # fmt: skip
-        hf_dir = given.get("hf_dir")
-        given.setdefault("tokenizer", hf_dir if hf_dir else "bytes")
-        if isinstance(given.get("data"), str):  # one source given in code, not on the command line
-            given["data"] = (given["data"],)
-        options: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}
-        config = cls(**options)
-        check_inputs(config)
-        # defaults that follow the model, whichever route it came by (--hf-dir, --model-config, --load)
-        cfg, name = resolve_model(config.hf_dir, config.model_config, config.load, config.load_tag)
-        check_seq_length(config.seq_length, cfg)
-        if "train_epochs" in given and "train_iters" in given:
-            raise SetupError(f"--train-epochs {config.train_epochs:g} and --train-iters {config.train_iters}: give "
-                             "one (a --config file's train_iters counts too)")  # fmt: skip
-        scale_given = set(given) | ({"train_iters"} if "train_epochs" in given else set())
-        missing = [option for option in RUN_SCALE_OPTIONS if option not in scale_given]
-        if cfg.hidden_size >= REAL_WIDTH and missing:
-            raise SetupError(
-                f"{_model_option(config)} is a model of real width ({name}, hidden {cfg.hidden_size}): give "
-                f"{', '.join('--' + m.replace('_', '-') for m in missing)} (the defaults are the tiny CPU job's: "
-                f"{', '.join(f'{m} {getattr(cls, m)}' for m in missing)}), or start from a recipe: "
-                "--config recipes/<one>.toml (recipes/README.md)"
-            )
-        if "min_lr" not in given:  # the floor follows --lr (a fine-tuning --lr decayed upwards to 3e-4)
-            tenth = float(f"{config.lr / 10:.12g}")  # decimal: 3e-3 -> 3e-4 exactly
-            config = dataclasses.replace(config, min_lr=tenth)
-        elif config.min_lr > config.lr:
-            raise SetupError(
-                f"--min-lr {config.min_lr:g} is above --lr {config.lr:g}: the cosine decay would rise"
-            )
-        if "router_bias_update_rate" not in given:
-            # LoRA keeps the base as it is, the router's correction bias included (it is part of the base)
-            rate = (
-                PRESET_ROUTER_BIAS_UPDATE_RATE.get(name, DEFAULT_ROUTER_BIAS_UPDATE_RATE)
-                if not config.lora_rank
-                else 0.0
-            )
-            config = dataclasses.replace(config, router_bias_update_rate=rate)
-        check_adapter_export(config)
-        if "output_dir" not in given:
-            config = dataclasses.replace(config, output_dir=os.path.join("runs", name))
-        check_output_paths(config)
-        return config
-
-
-def _model_option(config: TrainConfig) -> str:
-    if config.hf_dir:
-        return f"--hf-dir {config.hf_dir}"
-    if config.model_config:
-        return f"--model-config {config.model_config}"
-    return f"--load {config.load}"
+    def transformer_overrides(self) -> dict[str, Any]:
+        """The TransformerConfig fields the run's options set (layout, losses, loss chunks, offload, tiles,
+        recompute): the trainer's model and the planner's meta model are built from the same ones."""
+        return dict(
+            expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
+            moe_seq_aux_loss_coef=self.aux_loss_coef, indexer_loss_coef=self.indexer_loss_coef,
+            loss_chunk_bytes=self.loss_chunk_mib * 2**20, offload_activations=self.offload_activations,
+            moe_tile_bytes=self.moe_tile_mib * 2**20, **recompute_overrides(self.recompute),
+        )  # fmt: skip

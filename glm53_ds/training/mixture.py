@@ -46,10 +46,17 @@ class DataSource:
         return Fraction(self.weight) if self.weight is not None else Fraction(1)
 
 
+def _names_data(path: str) -> bool:
+    """A data file, or an indexed dataset's prefix (its .bin / .idx beside it), exists at `path`."""
+    return os.path.exists(path) or os.path.exists(path + ".idx") or os.path.exists(path + ".bin")
+
+
 def parse_sources(entries: Sequence[str], option: str = "--data") -> list[DataSource]:
     """`PATH[:WEIGHT]` entries: the text after the last ':' is a weight when it reads as a number (a path may hold
-    ':' otherwise). A ValueError names the entry: a weight that is not > 0 and finite, a source given twice, weights
-    on some entries but not others."""
+    ':' otherwise), unless the whole entry names existing data and the part before ':' does not
+    (`corpus-2024-01-01T10:30` is a file; weigh it as `corpus-2024-01-01T10:30:2`); where both exist the entry is
+    refused as ambiguous. A ValueError names the entry: a weight that is not > 0 and finite, a source given twice,
+    weights on some entries but not others."""
     sources = []
     for entry in entries:
         path, weight = entry, None
@@ -59,6 +66,11 @@ def parse_sources(entries: Sequence[str], option: str = "--data") -> list[DataSo
                 value = float(tail)
             except ValueError:
                 value = None
+            if value is not None and _names_data(entry):
+                if _names_data(head):
+                    raise ValueError(f"{option} {entry!r}: both {entry!r} and {head!r} exist, so ':{tail}' may be a "
+                                     f"weight or part of the name; write {entry}:1 for the first, or rename one")  # fmt: skip
+                value = None  # the whole entry is the file's name
             if value is not None:
                 if not (math.isfinite(value) and value > 0):
                     raise ValueError(f"{option} {entry!r}: the weight after ':' must be a finite number > 0")
@@ -87,13 +99,10 @@ def block_schedule(
     block = math.lcm(*(f.denominator for f in fractions))
     if block <= max_block:
         counts = [int(f * block) for f in fractions]
-    else:  # largest remainders over max_block positions; every source keeps at least one
-        block = max_block
-        exact = [f * block for f in fractions]
-        counts = [max(1, math.floor(e)) for e in exact]
-        by_remainder = sorted(range(len(exact)), key=lambda k: (-(exact[k] - math.floor(exact[k])), k))
-        for k in by_remainder[: block - sum(counts)]:
-            counts[k] += 1
+    else:  # each share rounded on its own (equal shares, equal counts), every source at least one position:
+        # c_k = max(1, round(f_k (max_block - n))) <= f_k (max_block - n) + 1, so the block stays <= max_block
+        room = max_block - len(fractions)
+        counts = [max(1, round(f * room)) for f in fractions]
         block = sum(counts)
     source = np.concatenate([np.full(c, k, dtype=np.int16) for k, c in enumerate(counts)])
     index = np.concatenate([np.arange(c, dtype=np.int32) for c in counts])

@@ -74,6 +74,12 @@ def check_model_config_file(option: str, path: str) -> None:
             raw = json.load(f)
     except json.JSONDecodeError as e:
         raise SetupError(f"{option}: {path}:{e.lineno}: not valid JSON ({e.msg})") from e
+    except UnicodeDecodeError as e:
+        raise SetupError(
+            f"{option}: {path}: not UTF-8 text (byte {e.start}); a config.json is UTF-8 JSON"
+        ) from e
+    except OSError as e:
+        raise SetupError(f"{option}: {path}: cannot read it ({e.strerror})") from e
     text = raw.get("text_config", raw) if isinstance(raw, dict) else None
     if not isinstance(text, dict):
         raise SetupError(f"{option}: {path}: expected a JSON object")

@@ -1,55 +1,37 @@
-"""The checks of a run's options that need no process group, run once its defaults are resolved
-(`TrainConfig.from_args`): each problem one `SetupError` naming the option, in the first seconds."""
+"""A run's options resolved and checked, in the first seconds (`resolve_config`): the defaults that follow the
+model, then every check that needs no process group, each problem one `SetupError` naming the option. This module
+imports the declarations (training/config.py); they never import it."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import importlib.util
 import math
 import os
 import re
-from typing import TYPE_CHECKING
+from typing import Any
 
-from ..checkpoint.directory import has_latest, latest_tag, not_ours
+from ..checkpoint.directory import has_latest, later_tags, latest_tag, not_ours
 from ..safe_io import OutputPathError, check_output_dir, published_tags
 from ..transformer_config import FULL_RECOMPUTE_LOSSES
+from .config import RECOMPUTE, TrainConfig, check_seq_length
 from .data import check_data_path
 from .errors import SetupError
 from .mixture import parse_sources
-from .model_source import check_model_config_file
+from .model_source import REAL_WIDTH, RUN_SCALE_OPTIONS, check_model_config_file, resolve_model
+from .options import check_bounds
 from .packing import LONG_DOCUMENTS
-from .presets import PRESETS
+from .presets import DEFAULT_ROUTER_BIAS_UPDATE_RATE, PRESET_ROUTER_BIAS_UPDATE_RATE, PRESETS
 from .trainable import INDEXER_PATTERN, INDEXER_TENSORS, trains
-
-if TYPE_CHECKING:
-    from .config import TrainConfig
-
-RECOMPUTE = ("none", "selective", "full")
 
 
 def check_inputs(config: TrainConfig) -> None:
     """Every option but the output paths (those follow once the defaults are resolved)."""
-
-    def positive(name: str, value: int) -> None:
-        if value < 1:
-            raise SetupError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-
-    for name in ("seq_length", "micro_batch_size", "ep", "etp", "sp"):
-        positive(name, getattr(config, name))
-    if config.global_batch_size is not None:
-        positive("global_batch_size", config.global_batch_size)
-    for name in ("train_iters", "warmup", "save_interval", "check_replicas_interval", "log_interval",
-                 "loss_chunk_mib", "eval_interval"):  # fmt: skip
-        if getattr(config, name) < 0:
-            raise SetupError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(config, name)}")
-    for name in ("lr", "min_lr", "weight_decay", "clip_grad", "router_bias_update_rate", "aux_loss_coef",
-                 "indexer_loss_coef"):  # fmt: skip
-        value = getattr(config, name)
-        if not math.isfinite(value) or value < 0:
-            raise SetupError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
-    positive("eval_iters", config.eval_iters)
-    positive("sample_tokens", config.sample_tokens)
-    if config.sample_interval < 0:
-        raise SetupError(f"--sample-interval must be >= 0, got {config.sample_interval}")
+    try:
+        check_bounds(config)  # each option's declared least value (training/config.py)
+    except ValueError as e:
+        raise SetupError(str(e)) from e
     if config.sample_interval and not config.sample_prompts:
         raise SetupError(
             f"--sample-interval {config.sample_interval} needs --sample-prompts FILE (the prompts)"
@@ -61,8 +43,6 @@ def check_inputs(config: TrainConfig) -> None:
         math.isfinite(config.train_epochs) and config.train_epochs > 0
     ):
         raise SetupError(f"--train-epochs must be a finite number > 0, got {config.train_epochs}")
-    if config.gpus is not None:
-        positive("gpus", config.gpus)
     if config.peak_tflops is not None and not (math.isfinite(config.peak_tflops) and config.peak_tflops > 0):
         raise SetupError(f"--peak-tflops must be a finite number > 0, got {config.peak_tflops}")
     if not (math.isfinite(config.valid_split) and 0.0 <= config.valid_split <= 0.5):
@@ -94,10 +74,6 @@ def check_inputs(config: TrainConfig) -> None:
     if config.wandb_project is not None and importlib.util.find_spec("wandb") is None:
         raise SetupError(f"--wandb-project {config.wandb_project!r}: the wandb package is not installed "
                          "(pip install \"glm53_ds[wandb]\")")  # fmt: skip
-    if config.mtp_loss_weight is not None and not (
-        math.isfinite(config.mtp_loss_weight) and config.mtp_loss_weight >= 0
-    ):
-        raise SetupError(f"--mtp-loss-weight must be a finite number >= 0, got {config.mtp_loss_weight}")
     if config.no_decay_pattern is not None:
         try:
             re.compile(config.no_decay_pattern)
@@ -111,8 +87,6 @@ def check_inputs(config: TrainConfig) -> None:
                 re.compile(pattern)
             except re.error as e:
                 raise SetupError(f"{option} {pattern!r}: not a regular expression ({e})") from e
-    if config.lora_rank < 0:
-        raise SetupError(f"--lora-rank must be >= 0 (0: no LoRA), got {config.lora_rank}")
     if config.lora_rank == 0:
         given = [f"--{n.replace('_', '-')}" for n in ("lora_alpha", "lora_dropout", "lora_targets")
                  if getattr(config, n) != type(config).__dataclass_fields__[n].default]  # fmt: skip
@@ -127,8 +101,6 @@ def check_inputs(config: TrainConfig) -> None:
         raise SetupError(f"--long-documents must be one of {LONG_DOCUMENTS}, got {config.long_documents!r}")
     if config.recompute not in RECOMPUTE:
         raise SetupError(f"--recompute must be one of {RECOMPUTE}, got {config.recompute!r}")
-    if config.moe_tile_mib < 0:
-        raise SetupError(f"--moe-tile-mib must be >= 0 (0: untiled), got {config.moe_tile_mib}")
     if config.moe_tile_mib and config.aux_loss_coef > 0:
         raise SetupError(f"--moe-tile-mib {config.moe_tile_mib} with --aux-loss-coef {config.aux_loss_coef}: the "
                          "sequence-wise balance loss needs the whole sequence's routing at once; set one to 0")  # fmt: skip
@@ -180,13 +152,15 @@ def check_output_paths(config: TrainConfig) -> None:
     in an input, the checkout, `.`, or over a non-empty export target without --force."""
     inputs = {"--hf-dir": config.hf_dir, "--load": config.load}
     try:
+        # an export inside the output directory is what users expect (runs/x/hf), not the output directory itself
+        # nor one around it
         if config.export_hf:
             check_output_dir(config.export_hf, "--export-hf", force=config.force, inputs=inputs,
-                             outputs={"--save": config.save, "--output-dir": config.output_dir,
-                                      "--export-adapter": config.export_adapter})  # fmt: skip
+                             outputs={"--save": config.save, "--export-adapter": config.export_adapter},
+                             within={"--output-dir": config.output_dir})  # fmt: skip
         if config.export_adapter:
             check_output_dir(config.export_adapter, "--export-adapter", force=config.force, inputs=inputs,
-                             outputs={"--save": config.save, "--output-dir": config.output_dir})  # fmt: skip
+                             outputs={"--save": config.save}, within={"--output-dir": config.output_dir})  # fmt: skip
         if (
             config.save
         ):  # a checkpoint directory accumulates tags; resuming in place (--load = --save) is fine
@@ -213,9 +187,22 @@ def check_save_is_this_runs(config: TrainConfig) -> None:
             "or give another --save"
         )
     tags = published_tags(config.save or "")
-    resumes_here = config.load is not None and os.path.realpath(config.load) == os.path.realpath(
-        config.save or ""
+    # a resume continues there; `--load-model-only` starts a fresh run (step 0), whose saves would replace the tags
+    resumes_here = (
+        config.load is not None
+        and not config.load_model_only
+        and os.path.realpath(config.load) == os.path.realpath(config.save or "")
     )
+    if resumes_here and config.load_tag:
+        later = later_tags(config.save or "", config.load_tag)
+        if later:  # a branch from an earlier checkpoint: its saves would replace the first run's later ones
+            shown = ", ".join(later[:6]) + (f", ... ({len(later)} tags)" if len(later) > 6 else "")
+            raise SetupError(
+                f"--load {config.load} --load-tag {config.load_tag} with --save {config.save}: it holds later "
+                f"checkpoints ({shown}) that this run's saves would replace. Branch into another --save (e.g. --save "
+                f"{os.path.normpath(config.save or '')}-from-{config.load_tag}), or resume from the latest (no "
+                "--load-tag)"
+            )
     if tags and not resumes_here and not config.save_into_existing:
         shown = ", ".join(tags[:6]) + (f", ... ({len(tags)} tags)" if len(tags) > 6 else "")
         pointer = f"; latest: {latest_tag(config.save or '')}" if has_latest(config.save or "") else ""
@@ -261,3 +248,60 @@ def check_offload(offload_activations: bool, recompute: str) -> None:
     if offload_activations and recompute != "full":
         raise SetupError(f"--offload-activations with --recompute {recompute}: what is offloaded is what full "
                          "recompute keeps of each layer; add --recompute full")  # fmt: skip
+
+
+def resolve_config(args: argparse.Namespace) -> TrainConfig:
+    """The run's `TrainConfig` from its parsed arguments: the defaults resolved, every check that needs no process
+    group run; a `SetupError` names the first bad option."""
+    cls = TrainConfig
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name, None) is not None}  # fmt: skip
+    hf_dir = given.get("hf_dir")
+    given.setdefault("tokenizer", hf_dir if hf_dir else "bytes")
+    if isinstance(given.get("data"), str):  # one source given in code, not on the command line
+        given["data"] = (given["data"],)
+    options: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}
+    config = cls(**options)
+    check_inputs(config)
+    # defaults that follow the model, whichever route it came by (--hf-dir, --model-config, --load)
+    cfg, name = resolve_model(config.hf_dir, config.model_config, config.load, config.load_tag)
+    check_seq_length(config.seq_length, cfg)
+    if "train_epochs" in given and "train_iters" in given:
+        raise SetupError(f"--train-epochs {config.train_epochs:g} and --train-iters {config.train_iters}: give "
+                         "one (a --config file's train_iters counts too)")  # fmt: skip
+    scale_given = set(given) | ({"train_iters"} if "train_epochs" in given else set())
+    missing = [option for option in RUN_SCALE_OPTIONS if option not in scale_given]
+    if cfg.hidden_size >= REAL_WIDTH and missing:
+        raise SetupError(
+            f"{_model_option(config)} is a model of real width ({name}, hidden {cfg.hidden_size}): give "
+            f"{', '.join('--' + m.replace('_', '-') for m in missing)} (the defaults are the tiny CPU job's: "
+            f"{', '.join(f'{m} {getattr(cls, m)}' for m in missing)}), or start from a recipe: "
+            "--config recipes/<one>.toml (recipes/README.md)"
+        )
+    if "min_lr" not in given:  # the floor follows --lr (a fine-tuning --lr decayed upwards to 3e-4)
+        tenth = float(f"{config.lr / 10:.12g}")  # decimal: 3e-3 -> 3e-4 exactly
+        config = dataclasses.replace(config, min_lr=tenth)
+    elif config.min_lr > config.lr:
+        raise SetupError(
+            f"--min-lr {config.min_lr:g} is above --lr {config.lr:g}: the cosine decay would rise"
+        )
+    if "router_bias_update_rate" not in given:
+        # LoRA keeps the base as it is, the router's correction bias included (it is part of the base)
+        rate = (
+            PRESET_ROUTER_BIAS_UPDATE_RATE.get(name, DEFAULT_ROUTER_BIAS_UPDATE_RATE)
+            if not config.lora_rank
+            else 0.0
+        )
+        config = dataclasses.replace(config, router_bias_update_rate=rate)
+    check_adapter_export(config)
+    if "output_dir" not in given:
+        config = dataclasses.replace(config, output_dir=os.path.join("runs", name))
+    check_output_paths(config)
+    return config
+
+
+def _model_option(config: TrainConfig) -> str:
+    if config.hf_dir:
+        return f"--hf-dir {config.hf_dir}"
+    if config.model_config:
+        return f"--model-config {config.model_config}"
+    return f"--load {config.load}"

@@ -1,19 +1,30 @@
 """The run's options, declared once: each `TrainConfig` field with its section, help, choices and flag.
 
 The command line (`deepspeed launch/train.py`, training/args.py), the run file's tables (`--config run.toml`,
-training/run_file.py) and the planner's shared flags (`python -m glm53_ds.plan`) are generated from these
-declarations, so an option is added, renamed or documented in one place. A section is the command line's argument
-group (Megatron's groups) and the run file's table (`section_table`).
+training/run_file.py) and the planner's flags (`python -m glm53_ds.plan`) are generated from these declarations,
+so an option is added, renamed or documented in one place. A section is the command line's argument group
+(Megatron's groups) and the run file's table (`section_table`).
+
+An option's declaration also says what the planner does with it (`plan`): `MEMORY` where its value changes one
+rank's memory, so the planner takes the flag and reads the value (a test fails where a field so marked is not read,
+tests/plan/test_planned_run.py), `SEARCHED` where `--search` also varies it; and the least value it admits
+(`least`), which the trainer and the planner check alike (`check_bounds`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 _TYPES: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+# what the planner does with an option (`Option.plan`)
+MEMORY = "memory"  # its value changes one rank's memory: the planner takes it and reads it
+SEARCHED = "searched"  # ... and `python -m glm53_ds.plan --search` varies it
 
 
 @dataclass(frozen=True)
@@ -22,14 +33,19 @@ class Option:
     help: str | None = None
     choices: tuple[Any, ...] | None = None
     flag: str | None = None  # default: --<name with dashes>
+    plan: str | None = None  # MEMORY, SEARCHED, or None: the planner neither takes nor reads it
+    least: int | float | None = None  # the least value admitted (a float also finite), None: no bound
 
 
 def option(
     default: Any, section: str, help: str | None = None, *, choices: tuple[Any, ...] | None = None,
-    flag: str | None = None,
+    flag: str | None = None, plan: str | None = None, least: int | float | None = None,
 ) -> Any:  # fmt: skip
     """A `TrainConfig` field that is an option of the run."""
-    return dataclasses.field(default=default, metadata={"option": Option(section, help, choices, flag)})
+    if plan not in (None, MEMORY, SEARCHED):
+        raise ValueError(f"plan={plan!r}: expected None, {MEMORY!r} or {SEARCHED!r}")
+    declared_option = Option(section, help, choices, flag, plan, least)
+    return dataclasses.field(default=default, metadata={"option": declared_option})
 
 
 def section_table(section: str) -> str:
@@ -44,6 +60,32 @@ def declared(config_type: type) -> list[tuple[dataclasses.Field, Option]]:
 
 def flag(field: dataclasses.Field, declared_option: Option) -> str:
     return declared_option.flag or "--" + field.name.replace("_", "-")
+
+
+def planned(config_type: type) -> tuple[str, ...]:
+    """The options whose values change one rank's memory (`plan` MEMORY or SEARCHED): the planner's flags."""
+    return tuple(f.name for f, o in declared(config_type) if o.plan in (MEMORY, SEARCHED))
+
+
+def searched(config_type: type) -> tuple[str, ...]:
+    """The options `--search` varies (`plan` SEARCHED)."""
+    return tuple(f.name for f, o in declared(config_type) if o.plan == SEARCHED)
+
+
+def check_bounds(config: Any, spelled: dict[str, str] | None = None) -> None:
+    """ValueError naming the first option below its declared least value (`--ep 0`, `--lr nan`): an int
+    'must be >= N', a float 'must be a finite number >= N'; None (an option not given) is left alone. `spelled`:
+    another tool's flag for an option (the planner's --world for gpus)."""
+    for field, declared_option in declared(type(config)):
+        least, value = declared_option.least, getattr(config, field.name)
+        if least is None or value is None:
+            continue
+        name = (spelled or {}).get(field.name) or flag(field, declared_option)
+        if value_type(field) is float:
+            if not (math.isfinite(value) and value >= least):
+                raise ValueError(f"{name} must be a finite number >= {least:g}, got {value}")
+        elif value < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
 
 
 def _annotation(field: dataclasses.Field) -> str:
@@ -93,13 +135,34 @@ def add_options(
         if kind is bool:
             groups[section].add_argument(flag(field, declared_option), action="store_true", **kwargs)
             continue
-        if kind is not str:
+        if field.default is None and not takes_several(field):  # an option a run file set, unset by a flag
+            kwargs["type"] = _or_none(kind)
+            kwargs["help"] = (
+                f"{declared_option.help or ''} ('none': unset, e.g. what a --config file set)".strip()
+            )
+        elif kind is not str:
             kwargs["type"] = kind
         if declared_option.choices is not None:
             kwargs["choices"] = list(declared_option.choices)
         if takes_several(field):
             kwargs["nargs"] = "+"
         groups[section].add_argument(flag(field, declared_option), **kwargs)
+
+
+def _or_none(kind: type) -> Any:
+    """argparse's type for an option whose default is None: the word `none` gives None (unset), else `kind`."""
+
+    def parse(text: str) -> Any:
+        return None if text.strip().lower() == "none" else kind(text)
+
+    parse.__name__ = kind.__name__  # argparse names the type in its errors ("invalid int value")
+    parse.kind = kind  # type: ignore[attr-defined]  # what a run file's value must be (run_file.py)
+    return parse
+
+
+def value_kind(action: argparse.Action) -> Any:
+    """The type of an action's value: its `type`, or the kind an unsettable option's type parses."""
+    return getattr(action.type, "kind", action.type)
 
 
 def say_defaults(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:

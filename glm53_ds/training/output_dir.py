@@ -15,7 +15,7 @@ import os
 import time
 import uuid
 
-from ..safe_io import atomic_write_text
+from ..safe_io import DirectoryLock, atomic_write_text
 
 RUN_OUTPUTS = ("run.toml", "metrics.jsonl", "samples.jsonl", "loss.png")  # what a run writes there
 MARKER = ".glm53-run"  # the id of the run whose outputs the directory holds
@@ -67,3 +67,13 @@ def _new_dir(path: str) -> str:
         except FileExistsError:
             n += 1
             candidate = f"{path}-{n}"
+
+
+def writer_locks(save: str | None, output_dir: str) -> list[DirectoryLock]:
+    """The writer's locks a run takes (rank 0, for the run): --save's and --output-dir's, one where the two are one
+    directory, so that a second run into either is refused before it writes there."""
+    locks: list[DirectoryLock] = []
+    for option, directory in (("--save", save), ("--output-dir", output_dir)):
+        if directory and all(os.path.realpath(directory) != os.path.realpath(h.directory) for h in locks):
+            locks.append(DirectoryLock(directory, option))
+    return locks

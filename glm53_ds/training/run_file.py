@@ -28,14 +28,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import json
 import os
 import tomllib
 from typing import Any
 
 from ..safe_io import atomic_write_text
 from .config import SetupError, TrainConfig
-from .options import tables
+from .options import tables, value_kind
 
 
 def sections(parser: argparse.ArgumentParser) -> dict[str, dict[str, argparse.Action]]:
@@ -60,13 +59,14 @@ def _as_argv(path: str, key: str, value: Any, action: argparse.Action) -> list[s
         if not value or not all(isinstance(v, str) for v in value):
             raise SetupError(f"{where} = {value!r}: expected a string or a non-empty array of strings")
         return [_flag(action), *value]
+    kind = value_kind(action)
     if isinstance(value, bool) or isinstance(value, dict | list):
-        raise SetupError(f"{where} = {value!r}: expected a {getattr(action.type, '__name__', 'str')}")
-    if action.type is int and not isinstance(value, int):
+        raise SetupError(f"{where} = {value!r}: expected a {getattr(kind, '__name__', 'str')}")
+    if kind is int and not isinstance(value, int):
         raise SetupError(f"{where} = {value!r}: expected an integer")
-    if action.type is float and not isinstance(value, int | float):
+    if kind is float and not isinstance(value, int | float):
         raise SetupError(f"{where} = {value!r}: expected a number")
-    if action.type in (None, str) and not isinstance(value, str):
+    if kind in (None, str) and not isinstance(value, str):
         raise SetupError(f"{where} = {value!r}: expected a string")
     if action.choices is not None and value not in action.choices:
         raise SetupError(f"{where} = {value!r}: expected one of {list(action.choices)}")
@@ -80,6 +80,14 @@ def read_config(path: str, parser: argparse.ArgumentParser) -> tuple[list[str], 
             data = tomllib.load(f)
     except FileNotFoundError:
         raise SetupError(f"--config {path!r}: no such file") from None
+    except IsADirectoryError:
+        raise SetupError(
+            f"--config {path!r} is a directory; give a run file (e.g. <output-dir>/run.toml)"
+        ) from None
+    except OSError as e:
+        raise SetupError(f"--config {path!r}: cannot read it ({e.strerror})") from e
+    except UnicodeDecodeError as e:
+        raise SetupError(f"--config {path}: not UTF-8 text (byte {e.start}); a run file is UTF-8 TOML") from e
     except tomllib.TOMLDecodeError as e:
         raise SetupError(f"--config {path}: not TOML ({e})") from e
     tables = sections(parser)
@@ -106,13 +114,56 @@ def read_config(path: str, parser: argparse.ArgumentParser) -> tuple[list[str], 
 
 
 def config_path(argv: list[str]) -> str | None:
-    """`--config X` / `--config=X` among the arguments."""
+    """`--config X` / `--config=X` among the arguments; a SetupError for two of them (argparse would keep the last
+    while the file read is the first)."""
+    found = []
     for i, arg in enumerate(argv):
         if arg == "--config" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--config="):
-            return arg.split("=", 1)[1]
-    return None
+            found.append(argv[i + 1])
+        elif arg.startswith("--config="):
+            found.append(arg.split("=", 1)[1])
+    if len(found) > 1:
+        raise SetupError(f"--config given {len(found)} times ({', '.join(found)}): give one run file; flags beside it "
+                         "override what it sets")  # fmt: skip
+    return found[0] if found else None
+
+
+# Options that exclude each other: a flag for one replaces what the file gives for the other (a recipe's train_iters
+# under --train-epochs), said in the override lines.
+EXCLUSIVE = (("train_epochs", "train_iters"), ("valid_split", "valid_data"))
+# The options of validation: set by the file, dropped when the command line turns validation off (--valid-split 0
+# with no --valid-data), said in one line.
+VALIDATION = ("eval_interval", "eval_iters", "eval_at_start")
+
+
+def _resolve_file_and_flags(
+    args: argparse.Namespace, from_file: argparse.Namespace, given: set[str], flags: set[str], path: str
+) -> list[str]:
+    """Drop from `args` what the file gives that the command line replaced by an exclusive option or turned off;
+    one line each."""
+    lines = []
+    for a, b in EXCLUSIVE:
+        for mine, theirs in ((a, b), (b, a)):
+            if (
+                mine in flags
+                and theirs in given
+                and theirs not in flags
+                and getattr(args, mine, None) is not None
+            ):
+                delattr(args, theirs)
+                lines.append(f"--{mine.replace('_', '-')} {getattr(args, mine)!r} replaces --config {path}'s "
+                             f"{theirs} {getattr(from_file, theirs)!r}")  # fmt: skip
+    validation_off = (
+        {"valid_split", "valid_data"} & flags
+        and not getattr(args, "valid_split", 0)
+        and not getattr(args, "valid_data", None)
+    )
+    dropped = [n for n in VALIDATION if n in given and n not in flags] if validation_off else []
+    for name in dropped:
+        delattr(args, name)
+    if dropped:
+        lines.append(f"validation is off: --config {path}'s {', '.join(dropped)} dropped")
+    return lines
 
 
 def parse_with_config(
@@ -126,10 +177,11 @@ def parse_with_config(
     file_argv, given = read_config(path, parser)
     from_file = parser.parse_args(file_argv)
     args = parser.parse_args(file_argv + argv)
+    flags = set(vars(parser.parse_args(argv)))  # the options the command line gives
     overrides = [f"--{key.replace('_', '-')} {getattr(args, key)!r} overrides --config {path}'s "
                  f"{getattr(from_file, key)!r}" for key in sorted(given)
                  if getattr(args, key, None) != getattr(from_file, key, None)]  # fmt: skip
-    return args, overrides
+    return args, overrides + _resolve_file_and_flags(args, from_file, given, flags, path)
 
 
 def _toml_value(value: Any) -> str:
@@ -139,7 +191,21 @@ def _toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, tuple | list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return json.dumps(str(value))  # a TOML basic string (JSON's escapes are TOML's)
+    return toml_string(str(value))
+
+
+def toml_string(text: str) -> str:
+    """`text` as a TOML basic string: any character as itself (a non-BMP one too: JSON's surrogate-pair escapes are
+    not TOML), but the quote, the backslash and the control characters, which are escaped."""
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
 
 
 def run_file_text(config: TrainConfig, parser: argparse.ArgumentParser) -> str:

@@ -6,7 +6,8 @@ with one prompt per non-empty line. For chat data (or a `messages` line) a promp
 template with the generation prompt, as the model will be asked at inference; otherwise its text is the prefix.
 
 Generation is greedy (argmax: no random numbers are drawn) and at most M new tokens, stopping at the end-of-document
-token; the model runs in eval mode without gradients, which leaves the router's load counts alone, and the CPU /
+token or at the model's positions (a prompt longer than they leave room for keeps its last tokens, said once at
+start-up: `fit_prompts`); the model runs in eval mode without gradients, which leaves the router's load counts alone, and the CPU /
 CUDA RNG states are restored afterwards, so a run with samples trains bitwise as one without (tested). Every rank
 runs the same prompts in step, since the MoE's expert-parallel dispatch is collective. Refused under SP: a rank
 there holds a shard of the row's logits.
@@ -72,10 +73,32 @@ def read_prompts(path: str, tokenizer: Any, chat: bool) -> list[Prompt]:
     return prompts
 
 
-def greedy(model: torch.nn.Module, ids: list[int], max_new: int, stop: int | None, device: Any) -> list[int]:
+def fit_prompts(prompts: list[Prompt], positions: int, new_tokens: int) -> tuple[list[Prompt], str | None]:
+    """Prompts that leave room for `new_tokens` within the model's `positions`: a longer one keeps its last tokens
+    (what the model is asked to continue); the line saying so, or None."""
+    room = positions - new_tokens if positions > new_tokens else max(1, positions // 2)
+    long = [p for p in prompts if len(p.ids) > room]
+    if not long:
+        return prompts, None
+    fitted = [Prompt(p.text, p.ids[-room:]) if len(p.ids) > room else p for p in prompts]
+    return fitted, (f"--sample-prompts: {len(long)} prompt(s) longer than the model's {positions} positions less "
+                    f"--sample-tokens {new_tokens} (the longest {max(len(p.ids) for p in long)} tokens): each keeps "
+                    f"its last {room} tokens")  # fmt: skip
+
+
+def greedy(
+    model: torch.nn.Module,
+    ids: list[int],
+    max_new: int,
+    stop: int | None,
+    device: Any,
+    positions: int | None = None,
+) -> list[int]:
     """Up to `max_new` tokens after `ids`, each the argmax of the model's last logits (the whole prefix rerun: the
-    model keeps no cache), stopping before `stop`."""
+    model keeps no cache), stopping before `stop` or at the model's `positions`."""
     out = list(ids)
+    if positions is not None:
+        max_new = min(max_new, max(positions - len(out), 0))
     for _ in range(max_new):
         logits = model(torch.tensor([out], dtype=torch.long, device=device))  # [1, s, V]
         token = int(logits[0, -1].argmax())
@@ -86,8 +109,9 @@ def greedy(model: torch.nn.Module, ids: list[int], max_new: int, stop: int | Non
 
 
 def generate_samples(
-    model: torch.nn.Module, prompts: list[Prompt], tokenizer: Any, max_new: int, device: Any
-) -> list[dict[str, str]]:
+    model: torch.nn.Module, prompts: list[Prompt], tokenizer: Any, max_new: int, device: Any,
+    positions: int | None = None,
+) -> list[dict[str, str]]:  # fmt: skip
     """Each prompt's greedy completion (module docstring); the model's mode and the RNG states as they were."""
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
@@ -96,7 +120,8 @@ def generate_samples(
     try:
         with torch.no_grad():
             return [
-                {"prompt": p.text, "completion": tokenizer.decode(greedy(model, p.ids, max_new, tokenizer.eod_id, device))}
+                {"prompt": p.text,
+                 "completion": tokenizer.decode(greedy(model, p.ids, max_new, tokenizer.eod_id, device, positions))}
                 for p in prompts
             ]  # fmt: skip
     finally:

@@ -8,12 +8,15 @@ what it assumes). A run reads its --load checkpoint's state once (`resume.Resume
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..checkpoint.directory import latest_tag, tag_step
 from ..engine import read_client_state
+from ..safe_io import published_tags, remove_dir
 
 FIELDS = ("step", "consumed_samples", "global_batch_size", "data", "rng", "schedule", "lora", "base", "run")
 
@@ -62,3 +65,26 @@ class TrainingState:
             return int(self.global_batch_size)
         step, consumed = self.step, self.consumed_samples
         return consumed // step if step and consumed % step == 0 else None
+
+
+def prune_checkpoints(save_dir: str, keep: int, run: str) -> list[str]:
+    """`--keep-last keep`: remove run `run`'s tags of `save_dir` but its newest `keep` (by step), never the one
+    `latest` names and never a tag another run (or a run before run ids) wrote, as each records
+    (`TrainingState.run`). Call once a newer checkpoint is whole. Returns the tags removed."""
+    pointed = latest_tag(save_dir)
+    ours = []
+    for tag in published_tags(save_dir):
+        step = tag_step(tag)
+        if step is not None and tag != pointed:
+            try:
+                recorded = TrainingState.read(save_dir, tag).run
+            except (OSError, ValueError):  # not readable as ours: left alone
+                continue
+            if recorded == run:
+                ours.append((step, tag))
+    newest = tag_step(pointed)
+    kept = keep - (1 if newest is not None else 0)  # the one latest names counts among the kept
+    removed = [tag for _, tag in sorted(ours)[: max(len(ours) - max(kept, 0), 0)]]
+    for tag in removed:
+        remove_dir(os.path.join(save_dir, tag))
+    return removed

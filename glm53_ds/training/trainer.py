@@ -8,7 +8,7 @@
                    (step.py: `TrainSteps`)
     save(s)        replica check + checkpoint (engine/checkpoint.py)
     finish()       final save, loss curve, --export-hf, --export-adapter
-`run()` does all of it; `main()` maps failures to exit codes (2: set-up, 3: training stopped). The run-level values
+`run()` does all of it; training/main.py's `main()` maps failures to exit codes (2: set-up, 3: training stopped). The run-level values
 (global batch, accumulation, DeepSpeed config) are run_plan.py's `RunPlan`; what --load and a LoRA base give is
 resume.py's `ResumeChecks`.
 """
@@ -16,7 +16,6 @@ resume.py's `ResumeChecks`.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import sys
 from collections.abc import Sequence
@@ -28,12 +27,12 @@ from tqdm import tqdm
 
 from ..checkpoint import CheckpointDir, CheckpointError, layout_record, verify_checkpoint
 from ..checkpoint.base_weights import describe_base
+from ..checkpoint.directory import later_tags
 from ..config import Glm53Config
 from ..engine import (
     Glm53Engine,
     build_engine,
     check_checkpoint_fits,
-    close_distributed,
     describe_param_groups,
     export_engine_to_hf,
     export_engine_to_peft,
@@ -49,22 +48,22 @@ from ..parallel.replicas import check_replicas
 from ..safe_io import DirectoryLock, DiskFull
 from ..transformer_config import make_transformer_config
 from .args import build_parser
-from .config import SetupError, TrainConfig, recompute_overrides
+from .config import SetupError, TrainConfig
 from .data import DataStream, is_chat_source, load_tokenizer, open_stream
+from .epochs import epoch_steps, validation_line
 from .metrics import MetricsWriter, WandbRun, loggable, plot_loss
 from .mixture import DataSource, MixedStream, parse_sources, split_validation
 from .model_converters import adapters_of, apply_converters, model_converters
-from .output_dir import claim_output_dir
+from .output_dir import claim_output_dir, writer_locks
 from .resume import ResumeChecks, schedule_record
-from .run_file import parse_with_config, write_run_file
-from .run_plan import RunPlan, agreed, model_config, or_setup_error, report_error
+from .run_file import write_run_file
+from .run_plan import RunPlan, agreed, model_config, or_setup_error
 from .run_report import RunReport, kernels_line
-from .samples import Prompt, generate_samples, read_prompts
-from .state import TrainingState
+from .samples import Prompt, fit_prompts, generate_samples, read_prompts
+from .state import TrainingState, prune_checkpoints
 from .step import TrainingStopped, TrainSteps
-from .stop_signals import Interrupted, StopSignals, signal_name
 
-__all__ = ["SetupError", "Trainer", "TrainingStopped", "main"]
+__all__ = ["SetupError", "Trainer", "TrainingStopped"]
 
 
 class Trainer(ResumeChecks, TrainSteps):
@@ -142,7 +141,10 @@ class Trainer(ResumeChecks, TrainSteps):
         sources = parse_sources(c.data)  # checked with the options (training/option_checks.py)
         if c.sample_prompts:  # read now: a bad line is said before any expensive work
             chat = any(is_chat_source(s.path) for s in sources)
-            self.prompts = or_setup_error(lambda: read_prompts(str(c.sample_prompts), tokenizer, chat))
+            prompts = or_setup_error(lambda: read_prompts(str(c.sample_prompts), tokenizer, chat))
+            self.prompts, notice = fit_prompts(prompts, cfg.max_position_embeddings, c.sample_tokens)
+            if notice and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+                print(notice, file=sys.stderr)
         # the layout and batch sizes in the first seconds, before DeepSpeed starts (its op build can take minutes)
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         or_setup_error(lambda: self._check_layout(world, early=True))
@@ -175,15 +177,11 @@ class Trainer(ResumeChecks, TrainSteps):
 
         # one writer per checkpoint directory and per output directory (rank 0 holds the locks for the run): a
         # second run into either is refused before it writes there (one lock where the two are one directory)
-        for option, directory in (("--save", c.save), ("--output-dir", c.output_dir)):
-            if directory and all(
-                os.path.realpath(directory) != os.path.realpath(h.directory) for h in self.locks
-            ):
-                lock = DirectoryLock(directory, option)
-                self.locks.append(lock)
-                notice = agreed(lambda lock=lock: lock.acquire() if self.rank == 0 else None)
-                if notice:
-                    print(notice, file=sys.stderr)
+        for lock in writer_locks(c.save, c.output_dir):
+            self.locks.append(lock)
+            notice = agreed(lambda lock=lock: lock.acquire() if self.rank == 0 else None)
+            if notice:
+                print(notice, file=sys.stderr)
         self.stream = opened(sources)
         if self.rank == 0:
             for notice in self.stream.notices:
@@ -248,13 +246,18 @@ class Trainer(ResumeChecks, TrainSteps):
         if c.gpus is not None and c.gpus != self.world:
             self._say(f"--gpus {c.gpus}: the run was planned for {c.gpus} GPUs and runs on {self.world}")
         if self.rank == 0:
+            # a resume from a tag with later ones beside it is a branch: a new run, the first one's outputs kept
+            branch = self.start_step > 0 and bool(c.load and later_tags(c.load, str(self.load_tag)))
             self.run_id, moved = claim_output_dir(
-                c.output_dir, self.resumed_run, resuming=self.start_step > 0
+                c.output_dir, self.resumed_run, resuming=self.start_step > 0 and not branch
             )
             if moved:
                 self._say(moved)
+            ran = dataclasses.replace(
+                c, gpus=self.world
+            )  # the world it ran at: the planner's --config plans it
             self._say(
-                f"run description: {write_run_file(c, build_parser(), c.output_dir)} (--config replays it)"
+                f"run description: {write_run_file(ran, build_parser(), c.output_dir)} (--config replays it)"
             )
             wandb_run = None
             if c.wandb_project:
@@ -279,43 +282,25 @@ class Trainer(ResumeChecks, TrainSteps):
             RunPlan.resolve(c, world, None)
 
     def _describe_epochs(self) -> str:
-        """How many steps one pass over the training samples is; under --train-epochs the run's steps (set here,
-        the schedule with them, before anything reads --train-iters)."""
+        """The data's start-up line; under --train-epochs the run's steps, set here (the schedule with them) before
+        anything reads --train-iters, counted in samples consumed past a resume (epochs.py)."""
         assert self.stream is not None
-        c, samples, batch = self.config, self.stream.num_samples, self.plan.global_batch
-        epoch = samples / batch
-        line = f"data: {samples} training samples; one epoch = {epoch:.4g} steps of {batch} samples"
-        if c.train_epochs is None:
-            return line + f"; --train-iters {c.train_iters} = {c.train_iters / epoch:.3g} epochs"
-        steps = max(1, math.ceil(c.train_epochs * samples / batch - 1e-9))
+        c, step, consumed = self.config, 0, 0
+        if c.load and c.train_epochs is not None and not (c.load_model_only or self.base_only):
+            step, consumed = self.saved_state().step, self.saved_state().consumed_samples
+        steps, line = epoch_steps(c, self.stream.num_samples, self.plan.global_batch, step, consumed)
         self.config = dataclasses.replace(c, train_iters=steps)
-        return line + f"; --train-epochs {c.train_epochs:g}: {steps} steps"
+        return line
 
     def _describe_validation(self) -> str:
         assert self.valid is not None
-        c, wanted = self.config, self.config.eval_iters * self.plan.global_batch
-        when = f"every {c.eval_interval} steps and at the end" if c.eval_interval else "at the end"
-        source = (
-            f"--valid-data {c.valid_data}" if c.valid_data else f"--valid-split {c.valid_split:g} of --data"
-        )
-        line = (f"validation: {source}: {self.valid.num_samples} samples; each evaluation "
-                f"({when}{', and at the start' if c.eval_at_start else ''}) reads the same {c.eval_iters} x "
-                f"{self.plan.global_batch} = {wanted}")  # fmt: skip
-        if wanted > self.valid.num_samples:
-            line += " (more than it holds: some samples are read twice; lower --eval-iters to avoid it)"
-        return line
+        return validation_line(self.config, self.valid.num_samples, self.plan.global_batch)
 
     def _build_model(self) -> Glm53Model:
         c, cfg = self.config, self.cfg
         assert self.layout is not None
         dtype = torch.bfloat16 if self.plan.bf16 else torch.float32
-        tconfig = make_transformer_config(
-            cfg, dtype=dtype, expert_model_parallel_size=c.ep, expert_tensor_parallel_size=c.etp,
-            moe_seq_aux_loss_coef=c.aux_loss_coef, indexer_loss_coef=c.indexer_loss_coef,
-            loss_chunk_bytes=c.loss_chunk_mib * 2**20, offload_activations=c.offload_activations,
-            moe_tile_bytes=c.moe_tile_mib * 2**20,
-            **recompute_overrides(c.recompute),
-        )  # fmt: skip
+        tconfig = make_transformer_config(cfg, dtype=dtype, **c.transformer_overrides())
         torch.manual_seed(c.seed)
         use_mtp = cfg.num_nextn_predict_layers > 0
         checkpoint = SafetensorsCheckpoint(self.weights_dir) if self.weights_dir else None
@@ -365,6 +350,12 @@ class Trainer(ResumeChecks, TrainSteps):
             stopped.agreed = False
             raise stopped from e
         self._say(f"saved {self.last_saved} (step {step}, {self.consumed} consumed samples)")
+        if self.config.keep_last and self.rank == 0 and self.run_id:
+            removed = prune_checkpoints(self.config.save, self.config.keep_last, self.run_id)
+            if removed:
+                self._say(
+                    f"--keep-last {self.config.keep_last}: removed {', '.join(removed)} (this run's older tags)"
+                )
 
     def _say(self, line: str) -> None:
         """One line of what the run did (rank 0), under the progress bar."""
@@ -390,10 +381,15 @@ class Trainer(ResumeChecks, TrainSteps):
         0 writes them and says the first in one line). The training is left as it was (training/samples.py)."""
         assert self.prompts is not None
         c = self.config
-        samples = generate_samples(
-            self.engine.module, self.prompts, self.tokenizer, c.sample_tokens, self.engine.device
-        )
         self.sampled = step
+        try:  # samples never cost the run: a failure is one line, the training and its saves go on
+            samples = generate_samples(self.engine.module, self.prompts, self.tokenizer, c.sample_tokens,
+                                       self.engine.device, self.cfg.max_position_embeddings)  # fmt: skip
+        except Exception as e:  # noqa: BLE001
+            self._say(
+                f"samples at step {step} failed ({type(e).__name__}: {e}); the run goes on without them"
+            )
+            return
         if self.writer is not None:
             self.writer.write_samples(step, samples)
             first = samples[0]["completion"].replace("\n", " ")
@@ -404,14 +400,16 @@ class Trainer(ResumeChecks, TrainSteps):
         c = self.config
         if self.valid is not None and self.evaluated != c.train_iters:
             self.evaluate(c.train_iters)
-        if self.prompts is not None and self.sampled != c.train_iters:
-            self.sample(c.train_iters)
         if (
             c.save
             and (not c.save_interval or c.train_iters % c.save_interval)
             and self.start_step < c.train_iters
         ):
             self.save(c.train_iters)
+        if (
+            self.prompts is not None and self.sampled != c.train_iters
+        ):  # after the save: samples never cost it
+            self.sample(c.train_iters)
         if self.progress is not None:
             self.progress.close()
         if self.writer is not None:
@@ -443,71 +441,11 @@ class Trainer(ResumeChecks, TrainSteps):
             self._log(self.train_step(step).as_record())
             if self.valid is not None and c.eval_interval and (step + 1) % c.eval_interval == 0:
                 self.evaluate(step + 1)
-            if self.prompts is not None and c.sample_interval and (step + 1) % c.sample_interval == 0:
-                self.sample(step + 1)
             if c.check_replicas_interval and (step + 1) % c.check_replicas_interval == 0:
                 check_replicas(self.engine.module, self.layout)
             if c.save and c.save_interval and (step + 1) % c.save_interval == 0:
                 self.save(step + 1)
+            if self.prompts is not None and c.sample_interval and (step + 1) % c.sample_interval == 0:
+                self.sample(step + 1)
         self.finish()
         return self.last
-
-
-def _report_stop(signum: int, trainer: Trainer | None) -> None:
-    """A stop signal's one line (rank 0): where the run stopped and what survived; then the --save lock goes."""
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("LOCAL_RANK", "0"))
-    if rank == 0:
-        at = (
-            f" at step {trainer.running_step + 1}"
-            if trainer is not None and trainer.running_step is not None
-            else ""
-        )
-        survived = trainer.last_good() if trainer is not None else "Nothing was written yet"
-        released = (
-            "; the --save lock is released"
-            if trainer is not None and any(lock.option == "--save" for lock in trainer.locks)
-            else ""
-        )
-        print(
-            f"\nerror: stopped by {signal_name(signum)}{at}{released}. {survived}",
-            file=sys.stderr,
-            flush=True,
-        )
-    if trainer is not None:
-        trainer.close()
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    trainer: Trainer | None = None
-    stop = StopSignals(lambda signum: _report_stop(signum, trainer)).install()
-    try:
-        args, overrides = parse_with_config(parser, sys.argv[1:] if argv is None else list(argv))
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            for line in overrides:
-                print(line, file=sys.stderr)
-        trainer = Trainer(TrainConfig.from_args(args))
-        last = trainer.run()
-        final = trainer.report.final_line()
-        if dist.is_initialized() and dist.get_rank() == 0 and last and final:
-            print(final)
-        return 0
-    except SetupError as e:
-        stop.quiet()
-        report_error(e)
-        return 2
-    except TrainingStopped as e:
-        stop.quiet()
-        report_error(e, lead="\n")  # after the progress bar's line
-        return 3
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`Interrupted`)
-        return stop.code_of(e)
-    except Exception:  # a collective broken by a peer that stopped first: still the signal's stop
-        if stop.received is None:
-            raise
-        return stop.code_of(Interrupted())
-    finally:  # every rank reaches here together: refusals and stops are decided on all ranks alike
-        stop.uninstall()
-        if trainer is not None:
-            trainer.close()
-        close_distributed()

@@ -65,3 +65,29 @@ def test_an_export_is_loadable_and_trains_again_as_hf_dir(tmp_path):
     assert json.loads((export / "generation_config.json").read_text())["eos_token_id"] == 256
     again = run(*QUICK, "--hf-dir", str(export), "--output-dir", str(tmp_path / "b"))
     assert again.returncode == 0, again.stderr[-3000:]
+
+
+def test_the_exports_config_says_the_dtype_of_its_weights(hf_dir, tmp_path):
+    """Before: config.json was carried verbatim from the base, so a bf16 export of a float32 base said "dtype":
+    "float32" (and the reverse). Now the export's config names the dtype most of its weights are in: here float32
+    weights under a base config that says bfloat16 (both keys, top level and text config); a config that already
+    says it is left byte for byte."""
+    import torch
+
+    from glm53_ds.convert import hf_to_native, native_to_hf
+    from glm53_ds.convert.export_hf import say_weights_dtype
+
+    native = hf_to_native(str(hf_dir), str(tmp_path / "native"))
+    base = json.loads((hf_dir / "config.json").read_text())
+    base["dtype"] = "bfloat16"
+    base["text_config"]["torch_dtype"] = "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps(base))
+    native_to_hf(native, str(tmp_path / "out"), config_json=str(tmp_path / "config.json"))
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (written["dtype"], written["text_config"]["torch_dtype"]) == ("float32", "float32")
+    assert {k: v for k, v in written.items() if k != "dtype"}["model_type"] == base["model_type"]
+    before = (tmp_path / "out" / "config.json").read_bytes()
+    say_weights_dtype(str(tmp_path / "out" / "config.json"), torch.float32)  # control: nothing to change
+    assert (tmp_path / "out" / "config.json").read_bytes() == before
+    say_weights_dtype(str(tmp_path / "out" / "config.json"), torch.bfloat16)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"

@@ -243,7 +243,9 @@ def test_the_indexer_loss_target_runs_in_the_indexers_blocks(monkeypatch):
     rows.clear()
     blocked = model(ids, labels=ids, return_parts=True).indexer
     assert rows == [1] * 24 * len(layers)
-    assert torch.allclose(blocked, whole, rtol=1e-5, atol=0)
+    # the same loss up to fp32 summation order: the KL is a small sum of differences (1e-5 here), and one thread
+    # or two sum it differently (3e-4 relative seen under OMP_NUM_THREADS=1)
+    assert torch.allclose(blocked, whole, rtol=1e-3, atol=0)
 
 
 def test_indexer_loss_trains_only_the_indexer():

@@ -17,7 +17,8 @@ from glm53_ds.config import Glm53Config
 from glm53_ds.layers.forward_record import current_record, recording
 from glm53_ds.layers.moe import Glm53MoE
 from glm53_ds.training.args import build_parser
-from glm53_ds.training.config import SetupError, TrainConfig
+from glm53_ds.training.config import SetupError
+from glm53_ds.training.option_checks import resolve_config
 from tests.model_fixtures import CONFIG_A
 
 STALE = ("aux_loss", "last_expert_load", "indexer_loss", "indexer_loss_terms")
@@ -97,9 +98,9 @@ def test_an_indexer_loss_that_would_train_nothing_is_refused(argv, why):
     with pytest.raises(
         SetupError, match=rf"--indexer-loss-coef 0.1 trains no indexer tensor \({re.escape(why)}\)"
     ):
-        TrainConfig.from_args(build_parser().parse_args(args))
+        resolve_config(build_parser().parse_args(args))
     if "--freeze" not in argv:
-        taken = TrainConfig.from_args(build_parser().parse_args([*args, "--trainable", r"\.indexer\."]))
+        taken = resolve_config(build_parser().parse_args([*args, "--trainable", r"\.indexer\."]))
         assert all(
             trains(n, taken.lora_rank > 0, taken.trainable, taken.freeze, True) for n in INDEXER_TENSORS
         )
@@ -110,9 +111,7 @@ def test_full_recompute_with_layer_losses_is_refused_because_their_gradient_is_l
     with pytest.raises(ValueError, match="recompute_granularity='full' with moe_seq_aux_loss_coef=0.1"):
         glm53_ds.build_model(cfg, mtp=False, moe_seq_aux_loss_coef=0.1, **FULL)
     with pytest.raises(SetupError, match="--recompute full with --indexer-loss-coef 0.5: "):
-        TrainConfig.from_args(
-            build_parser().parse_args(["--recompute", "full", "--indexer-loss-coef", "0.5"])
-        )
+        resolve_config(build_parser().parse_args(["--recompute", "full", "--indexer-loss-coef", "0.5"]))
     # the reason, measured: the balance loss switched on behind the refusal loses its gradient under full recompute
     ids = torch.randint(1, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)

@@ -173,11 +173,13 @@ import torch
 warnings.filterwarnings("ignore")
 from glm53_ds.plan.activations import layer_kinds, plan_activations, profile_step
 from glm53_ds.plan.dry_run import rank_model_on_meta
+from glm53_ds.plan.run import PlannedRun
 from glm53_ds.training.presets import preset
 cfg, out = preset("glm-5.3-flash"), {}
 for mode in ("none", "full"):
-    reduced = plan_activations(cfg, 8192, ep=32, etp=2, recompute=mode)
-    model, _ = rank_model_on_meta(cfg, 32, 2, recompute=mode)
+    run = PlannedRun.for_model(cfg, seq_length=8192, micro_batch_size=1, ep=32, etp=2, recompute=mode)
+    reduced = plan_activations(run)
+    model, _ = rank_model_on_meta(run)
     ids = torch.zeros(1, 8192, dtype=torch.long, device="meta")
     whole = profile_step(model, lambda: model(ids, labels=ids))
     out[mode] = [reduced.peak(layer_kinds(cfg)), whole.measured_peak]

@@ -19,6 +19,7 @@ from glm53_ds.layers.kda_ops import kda_attention
 from glm53_ds.parallel.expert_shard import ExpertShard
 from glm53_ds.plan.counts import count_parameters
 from glm53_ds.plan.dry_run import INT32_LIMIT, Int32Audit, gradient_problems, shard_problems
+from glm53_ds.plan.run import PlannedRun
 from glm53_ds.training.presets import glm53_flash, tiny
 from tests.cli import module_run
 
@@ -47,7 +48,7 @@ def test_released_model_at_ep32_etp2_128k_tokens():
 @pytest.mark.slow
 def test_released_model_with_lora_at_ep8_sp8_128k_tokens():
     report = run_dry("--ep", "8", "--sp", "8", "--seq-length", "131072", "--lora-rank", "16", "--rank", "5")
-    planned = count_parameters(glm53_flash(), ep=8, lora_rank=16)
+    planned = count_parameters(PlannedRun.for_model(glm53_flash(), ep=8, lora_rank=16))
     assert report["parameters_held"] == sum(planned.held(k) for k in planned.trained)
     assert report["local_experts"] == 36 and report["sp"] == 8
     assert report["trained_tensors"] > 0 and report["int32_ops"] == {}

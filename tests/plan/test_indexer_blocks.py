@@ -10,6 +10,7 @@ import pytest
 
 from glm53_ds.layers import dsa_indexer
 from glm53_ds.plan.activations import plan_activations
+from glm53_ds.plan.run import PlannedRun
 from glm53_ds.training.presets import preset
 
 
@@ -17,7 +18,9 @@ def _dsa_forward_peaks(lengths: tuple[int, ...]) -> list[int]:
     cfg = preset("tiny")
     peaks = []
     for length in lengths:
-        units = plan_activations(cfg, length, recompute="full").units
+        units = plan_activations(
+            PlannedRun.for_model(cfg, seq_length=length, micro_batch_size=1, recompute="full")
+        ).units
         peaks.append(
             next(u.forward_peak for kind, u in units.items() if kind.startswith("indexed_attention"))
         )

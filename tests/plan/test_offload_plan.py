@@ -4,6 +4,7 @@ Its own module: the planner's meta trace joins a fake world, which a module that
 from __future__ import annotations
 
 from glm53_ds.plan.activations import layer_kinds, plan_activations
+from glm53_ds.plan.run import PlannedRun
 from glm53_ds.training.presets import preset
 
 
@@ -13,8 +14,9 @@ def test_the_planner_sees_the_kept_inputs_leave_the_device():
     them (and a tensor below the offload's threshold stays)."""
     cfg = preset("tiny")
     kinds = layer_kinds(cfg)
-    plain = plan_activations(cfg, 4096, recompute="full")
-    offloaded = plan_activations(cfg, 4096, recompute="full", offload_activations=True)
+    run = PlannedRun.for_model(cfg, seq_length=4096, micro_batch_size=1, recompute="full")
+    plain = plan_activations(run)
+    offloaded = plan_activations(run.variant(offload_activations=True))
     inputs = (
         4096 * cfg.hc_mult * cfg.hidden_size * 2
     )  # a layer's packed streams, bf16 (2 MiB: above min_bytes)
@@ -75,6 +77,6 @@ def test_a_miss_under_full_recompute_names_the_offload(capsys):
         assert main([*common, *extra, "--json"]) == 0
         totals.append(json.loads(capsys.readouterr().out)["memory"]["total"])
     between = (totals[0] + totals[1]) / 2 / (1 - RESERVE_FRACTION)  # fits with the offload only
-    assert main([*common, "--gpu-memory", f"{between:.0f}"]) == 0
+    assert main([*common, "--gpu-memory", f"{between:.0f}"]) == 1  # exit code 1: it does not fit
     out = capsys.readouterr().out
     assert "does NOT fit" in out and "--offload-activations: " in out, out[-1500:]

@@ -17,6 +17,7 @@ from glm53_ds.layers.lora import LoraSpec
 from glm53_ds.layers.lora_targets import apply_lora
 from glm53_ds.plan import count_parameters, state_bytes
 from glm53_ds.plan.__main__ import main as plan_main
+from glm53_ds.plan.run import PlannedRun
 from glm53_ds.training.presets import glm53_flash, tiny
 from glm53_ds.training.trainable import select_trainable
 from tests.cli import module_run
@@ -73,7 +74,9 @@ CASES = [(0, False, 0), (1, False, 0), (2, False, 0), (0, True, 0), (1, True, 0)
 @pytest.mark.parametrize("stage, bf16, lora", CASES)
 def test_state_bytes_are_what_the_engine_holds(stage, bf16, lora):
     measured = engine_state(stage, bf16, lora)
-    planned = state_bytes(count_parameters(tiny(), lora_rank=lora), 1, 1, 1, stage, bf16).as_dict()
+    planned = state_bytes(
+        count_parameters(PlannedRun.for_model(tiny(), lora_rank=lora)), 1, 1, 1, stage, bf16
+    ).as_dict()
     assert {k: planned[k] for k in measured} == measured
 
 
@@ -84,7 +87,7 @@ def test_counts_are_the_built_models():
         if lora:
             apply_lora(model, LoraSpec(rank=lora, alpha=8.0))
         select_trainable(model, lora=bool(lora), trainable=None, freeze=None, train_indexer=False)
-        counts = count_parameters(cfg, lora_rank=lora)
+        counts = count_parameters(PlannedRun.for_model(cfg, lora_rank=lora))
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
         assert sum(counts.trained.values()) == trained and sum(counts.frozen.values()) == frozen
@@ -98,9 +101,9 @@ def test_the_released_models_exact_counts():
     per token (every non-routed parameter and 8 of 288 routed experts); at EP 32 x ETP 2 one rank holds 1/64 of
     the routed experts' parameters."""
     cfg = glm53_flash()
-    whole = count_parameters(cfg)
+    whole = count_parameters(PlannedRun.for_model(cfg))
     assert (whole.total, whole.active) == (320_759_410_430, 17_762_889_470)
-    sharded = count_parameters(cfg, ep=32, etp=2)
+    sharded = count_parameters(PlannedRun.for_model(cfg, ep=32, etp=2))
     assert sharded.held("expert") * 64 == whole.held("expert")
     assert sharded.held("replicated") == whole.held("replicated")
 
@@ -119,7 +122,9 @@ def test_partitions_per_rank_at_ep2_over_four_ranks(tmp_path):
     cases = [(1, False, 0), (2, True, 0), (1, True, 4)]
     results = run_world(4, rank_state, tmp_path, cases=cases)
     for i, (stage, bf16, lora) in enumerate(cases):
-        planned = state_bytes(count_parameters(tiny(), ep=2, lora_rank=lora), 4, 2, 1, stage, bf16).as_dict()
+        planned = state_bytes(
+            count_parameters(PlannedRun.for_model(tiny(), ep=2, lora_rank=lora)), 4, 2, 1, stage, bf16
+        ).as_dict()
         for rank_result in results:
             measured = rank_result[i]
             assert measured["weights"] == planned["weights"], (stage, bf16, lora, measured, planned)

@@ -29,7 +29,7 @@ def _indexed(prefix: str, tokens: int, vocab: int = 250) -> str:
 
 
 def _peak_rss_mb(*args: str) -> float:
-    code = ("import resource, sys; sys.path.insert(0, 'launch'); from glm53_ds.training.trainer import main; "
+    code = ("import resource, sys; sys.path.insert(0, 'launch'); from glm53_ds.training.main import main; "
             f"rc = main({list(args)!r}); assert rc == 0, rc; "
             "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=HANG_TIMEOUT,

@@ -53,3 +53,32 @@ def test_epochs_set_the_steps_and_the_schedule(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]
     # lr_at(2) of a 3-step cosine from 3e-3 to 3e-4 (the control: at 60 steps, the default, it would be near 3e-3)
     assert records[-1]["lr"] == pytest.approx(3e-4 + 0.5 * 2.7e-3 * (1 + math.cos(2 / 3 * math.pi)), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_epochs_count_samples_consumed_across_a_resume_at_another_batch(tmp_path):
+    """tiny_chat.jsonl: 104 rows of 64 tokens. 0.1 epochs at batch 2 = 6 steps (12 samples); resumed with
+    --train-epochs 0.4 at --global-batch-size 4, the 41.6 samples are reached by 8 more steps of 4 (44 read: 0.42
+    epochs). Control: before, the steps were counted from zero at the new batch, ceil(41.6 / 4) = 11 in all, so the
+    run stopped at 12 + 5 x 4 = 32 samples, 0.31 epochs."""
+    common = [
+        "--data",
+        CHAT,
+        "--warmup",
+        "0",
+        "--save",
+        str(tmp_path / "ck"),
+        "--output-dir",
+        str(tmp_path / "out"),
+    ]
+    first = run(*common, "--train-epochs", "0.1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run(
+        *common, "--load", str(tmp_path / "ck"), "--train-epochs", "0.4", "--global-batch-size", "4"
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "--train-epochs 0.4: 14 steps (resumed at step 6, 0.115 epochs consumed)" in resumed.stderr, (
+        resumed.stderr[-3000:]
+    )
+    records = [r for r in metrics(tmp_path / "out") if "lm_loss" in r]
+    assert records[-1]["step"] == 14 and records[-1]["consumed_samples"] == 44

@@ -64,7 +64,43 @@ def test_the_schedule_gives_each_source_its_exact_share_spread_evenly():
     source, _, counts = block_schedule(
         [Fraction(1, 7), Fraction(1, 11), Fraction(1, 1_000_003)], max_block=64
     )
-    assert sum(counts) == len(source) == 64 and min(counts) >= 1 and counts[0] > counts[1]
+    assert sum(counts) == len(source) <= 64 and min(counts) >= 1 and counts[0] > counts[1]
+
+
+def test_rounded_shares_keep_equal_weights_equal_and_the_block_bounded():
+    """Before: `--data a:1e-7 b:1e-7 c:1` gave a and b unequal shares (largest remainders broke their tie by order)
+    and a block above MAX_BLOCK (a negative number of remainders to hand out took almost all of them)."""
+    from glm53_ds.training.mixture import MAX_BLOCK
+
+    shares = [Fraction("1e-7"), Fraction("1e-7"), Fraction(1)]
+    source, _, counts = block_schedule(shares)
+    assert counts[0] == counts[1] >= 1 and len(source) == sum(counts) <= MAX_BLOCK
+    for shares in (
+        [Fraction(1, 3)] * 5 + [Fraction(1, 1_000_003)],
+        [Fraction(1, p) for p in (7, 11, 13, 999_983)],
+    ):
+        _, _, counts = block_schedule(shares, max_block=1000)
+        assert sum(counts) <= 1000 and min(counts) >= 1
+        equal = [c for s, c in zip(shares, counts, strict=True) if s == shares[0]]
+        assert len(set(equal)) == 1
+
+
+def test_a_file_whose_name_ends_in_a_number_is_a_path(tmp_path):
+    """Before: `corpus-2024-01-01T10:30` (a file) was read as the path `corpus-2024-01-01T10` with weight 30 and
+    refused as missing. Now the whole entry is the path when it names data and its head does not; a weight follows
+    as one more ':W'; where both exist the entry is refused as ambiguous (control: a missing head with a number is
+    still a weight)."""
+    named = tmp_path / "corpus-2024-01-01T10:30"
+    named.write_text("text")
+    (plain,) = parse_sources([str(named)])
+    assert (plain.path, plain.weight) == (str(named), None)
+    a, b = parse_sources([f"{named}:2", f"{TEXT}:1"])
+    assert (a.path, a.weight) == (str(named), "2")
+    (weighed,) = parse_sources([str(tmp_path / "other:30")])
+    assert (weighed.path, weighed.weight) == (str(tmp_path / "other"), "30")  # the control
+    (tmp_path / "corpus-2024-01-01T10").write_text("text")
+    with pytest.raises(ValueError, match="may be a weight or part of the name"):
+        parse_sources([str(named)])
 
 
 class _Numbered:

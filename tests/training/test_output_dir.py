@@ -111,3 +111,41 @@ def test_a_run_into_an_output_dir_in_use_is_refused(tmp_path, capsys):
         assert (out / PREVIOUS).exists() and not (out / ".glm53-writer.lock").exists()
     finally:
         close_distributed()
+
+
+@pytest.mark.slow
+def test_a_branch_from_an_earlier_checkpoint_destroys_nothing(tmp_path):
+    """Before: after a run saved step1..step4, `--load ck --load-tag step2` re-saved ck/step3 and ck/step4 over the
+    first run's, moved `latest`, cut metrics.jsonl to steps <= 2 and replaced run.toml and loss.png, without a word.
+    Now a branch into the same --save is refused before any work, naming the tags and how to branch; a branch into
+    another --save is a new run: the first run's outputs move whole to previous-runs/. Control: resuming from the
+    latest tag (not a branch) is accepted and continues the run's files."""
+    from glm53_ds.safe_io import published_tags
+    from tests.cli import QUICK, one_error, run
+
+    ck, out = str(tmp_path / "ck"), tmp_path / "out"
+    common = [*QUICK[2:], "--save-interval", "1", "--output-dir", str(out)]
+    first = run(*common, "--train-iters", "4", "--save", ck)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = {n: (out / n).read_bytes() for n in ("metrics.jsonl", "run.toml")}
+    tags = {t: os.path.getmtime(os.path.join(ck, t, "manifest.json")) for t in published_tags(ck)}
+    error = one_error(run(*common, "--train-iters", "4", "--save", ck, "--load", ck, "--load-tag", "step2",
+                          "--lr", "1e-3"))  # fmt: skip
+    assert f"--load-tag step2 with --save {ck}: it holds later checkpoints (step3, step4)" in error, error
+    assert f"--save {ck}-from-step2" in error
+    assert {t: os.path.getmtime(os.path.join(ck, t, "manifest.json")) for t in published_tags(ck)} == tags
+    assert {n: (out / n).read_bytes() for n in before} == before
+    branch = run(*common, "--train-iters", "3", "--save", str(tmp_path / "branch"), "--load", ck, "--load-tag",
+                 "step2", "--lr", "1e-3")  # fmt: skip
+    assert branch.returncode == 0, branch.stderr[-3000:]
+    assert "held an earlier run's outputs" in branch.stderr
+    (moved,) = os.listdir(out / PREVIOUS)
+    assert {n: (out / PREVIOUS / moved / n).read_bytes() for n in before} == before
+    assert published_tags(ck) == ["step1", "step2", "step3", "step4"] and published_tags(
+        str(tmp_path / "branch")
+    ) == ["step3"]
+    resumed = run(
+        *common, "--train-iters", "5", "--save", str(tmp_path / "branch"), "--load", str(tmp_path / "branch")
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "held an earlier run's outputs" not in resumed.stderr  # the control: a resume continues its files

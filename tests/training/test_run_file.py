@@ -5,18 +5,21 @@ the command line overrides it and says so, bad files are one error naming the fi
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 
 import pytest
 
 from glm53_ds.training.args import build_parser
 from glm53_ds.training.config import SetupError, TrainConfig
+from glm53_ds.training.option_checks import resolve_config
 from glm53_ds.training.run_file import parse_with_config, run_file_text, sections
-from tests.cli import python_run
+from tests.cli import module_run, python_run
 
 
 def _config(argv: list[str]) -> TrainConfig:
     args, _ = parse_with_config(build_parser(), argv)
-    return TrainConfig.from_args(args)
+    return resolve_config(args)
 
 
 def test_a_file_gives_the_options_and_the_command_line_overrides_it(tmp_path):
@@ -101,3 +104,72 @@ def test_the_trainer_reads_the_file_and_writes_its_run_file(tmp_path):
     assert f"--output-dir '{tmp_path / 'b'}' overrides" in replay.stderr
     a, b = ((tmp_path / d / "run.toml").read_text() for d in "ab")
     assert a.replace(str(tmp_path / "a"), "X") == b.replace(str(tmp_path / "b"), "X")
+    # the run file records the world the run ran at, so that the planner plans that very run (its exit code 0:
+    # it fits); control: without it the planner cannot (before: "error: --world is required")
+    assert "\n[planning]\ngpus = 1\n" in a
+    planned = module_run("glm53_ds.plan", "--config", str(tmp_path / "a" / "run.toml"), "--json")
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    result = json.loads(planned.stdout)
+    assert (result["world"], result["model"], result["seq_length"]) == (1, "tiny", 32) and result["memory"][
+        "fits"
+    ]
+    (tmp_path / "no_world.toml").write_text(a.replace("gpus = 1\n", ""))
+    refused = module_run("glm53_ds.plan", "--config", str(tmp_path / "no_world.toml"))
+    assert refused.returncode == 2 and refused.stderr.strip().endswith("error: --world is required (or --search for "
+                                                                      "the smallest layouts that fit)")  # fmt: skip
+
+
+def test_unreadable_run_files_are_one_error(tmp_path):
+    """Before: a non-UTF-8 file or a directory given as --config, or a non-UTF-8 config.json, ended in a
+    traceback; two --config flags applied the first while argparse kept the second. Now each is one error."""
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes("[optimization]\nlr = 1e-4  # caf\xe9\n".encode("latin-1"))
+    cases = [
+        (["--config", str(bad)], "not UTF-8 text (byte"),
+        (["--config", str(tmp_path)], "is a directory; give a run file"),
+        (["--config", str(bad), "--config", str(tmp_path / "b.toml")], "--config given 2 times"),
+    ]
+    hf = tmp_path / "config.json"
+    hf.write_bytes(b'{"model_type": "glm5_next", "name": "\xff"}')
+    cases.append((["--model-config", str(hf)], "not UTF-8 text (byte"))
+    for argv, message in cases:
+        with pytest.raises(SetupError, match=re.escape(message)):
+            _config(argv)
+    good = tmp_path / "good.toml"
+    good.write_text("[optimization]\nlr = 1e-4  # café\n", encoding="utf-8")
+    assert _config(["--config", str(good)]).lr == 1e-4  # control: UTF-8 with the same character reads
+
+
+def test_a_run_file_with_any_character_replays(tmp_path):
+    """Before: `--output-dir runs/exp-🚀` was written as a JSON surrogate pair, which TOML (and its own --config)
+    refused. Now any character is written as itself, control characters escaped."""
+    first = _config(["--output-dir", str(tmp_path / "exp-🚀"), "--trainable", 'a"b\\\\c\x7f'])
+    (tmp_path / "run.toml").write_text(run_file_text(first, build_parser()), encoding="utf-8")
+    again = _config(["--config", str(tmp_path / "run.toml")])
+    assert again.output_dir == first.output_dir and again.trainable == first.trainable
+
+
+def test_every_value_a_file_sets_can_be_reset_by_a_flag(tmp_path):
+    """Before: `--config recipe.toml --train-epochs 1` was refused (the file's train_iters could not be unset), and
+    validation could not be turned off (`--valid-split 0 --eval-interval 0` -> "--eval-iters without
+    --valid-data"). Now a flag replaces what the file gives for an option it excludes, turning validation off
+    drops the file's evaluation settings, and `none` unsets an option whose default is unset; each said in one
+    line. Control: the same conflict given on the command line alone is still refused."""
+    run = tmp_path / "recipe.toml"
+    run.write_text('[optimization]\ntrain_iters = 1000\n[data]\nvalid_split = 0.01\neval_interval = 100\n'
+                   'eval_iters = 4\n[checkpoints_output]\nexport_adapter = "out/adapter"\noutput_dir = "out"\n'
+                   '[fine_tuning]\nlora_rank = 4\n')  # fmt: skip
+    args, lines = parse_with_config(build_parser(), ["--config", str(run), "--train-epochs", "1"])
+    assert resolve_config(args).train_epochs == 1.0
+    assert f"--train-epochs 1.0 replaces --config {run}'s train_iters 1000" in lines
+    args, lines = parse_with_config(build_parser(), ["--config", str(run), "--valid-split", "0"])
+    config = resolve_config(args)
+    assert (config.valid_split, config.eval_iters, config.eval_interval) == (0.0, 10, 0)
+    assert f"validation is off: --config {run}'s eval_interval, eval_iters dropped" in lines
+    args, lines = parse_with_config(build_parser(), ["--config", str(run), "--export-adapter", "none"])
+    assert resolve_config(args).export_adapter is None
+    assert f"--export-adapter None overrides --config {run}'s 'out/adapter'" in lines
+    with pytest.raises(SetupError, match="give one"):  # the control
+        _config(["--train-epochs", "1", "--train-iters", "5"])
+    with pytest.raises(SetupError, match="--eval-iters without --valid-data"):
+        _config(["--eval-iters", "4"])

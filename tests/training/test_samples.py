@@ -82,3 +82,57 @@ def test_samples_leave_the_training_bitwise_unchanged(tmp_path):
     assert all(isinstance(s["completion"], str) for s in samples)
     assert "samples at step 4 (2," in with_samples.stderr
     assert not (tmp_path / "b" / "samples.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_samples_never_cost_the_run(tmp_path, capsys, monkeypatch):
+    """Before: the final samples ran before the final save, and a prompt longer than the model's positions (or any
+    failure while sampling) ended the run with a traceback and no checkpoint. Now a long prompt keeps its last
+    tokens (one line at start-up) and a failure while sampling is one line; the save happens either way."""
+    from glm53_ds.engine import close_distributed
+    from glm53_ds.safe_io import published_tags
+    from glm53_ds.training import trainer as trainer_module
+    from glm53_ds.training.trainer import Trainer
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("x" * 5000 + "\nshort\n")  # 5,000 byte tokens: past the tiny model's 4,096 positions
+    common = [
+        "--train-iters",
+        "1",
+        "--seq-length",
+        "16",
+        "--sample-prompts",
+        str(prompts),
+        "--sample-tokens",
+        "2",
+    ]
+    try:
+        trainer = Trainer(
+            train_config(*common, "--save", str(tmp_path / "ck"), "--output-dir", str(tmp_path / "a"))
+        )
+        trainer.run()
+        trainer.close()
+        err = capsys.readouterr().err
+        assert (
+            "--sample-prompts: 1 prompt(s) longer than the model's 4096 positions less --sample-tokens 2"
+            in err
+        )
+        assert published_tags(str(tmp_path / "ck")) == ["step1"]
+        assert len((tmp_path / "a" / "samples.jsonl").read_text().splitlines()) == 2
+
+        def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+            raise RuntimeError("CUDA out of memory (simulated)")
+
+        monkeypatch.setattr(trainer_module, "generate_samples", broken)
+        trainer = Trainer(
+            train_config(*common, "--save", str(tmp_path / "ck2"), "--output-dir", str(tmp_path / "b"))
+        )
+        trainer.run()
+        trainer.close()
+        err = capsys.readouterr().err
+        assert (
+            "samples at step 1 failed (RuntimeError: CUDA out of memory (simulated)); the run goes on" in err
+        )
+        assert published_tags(str(tmp_path / "ck2")) == ["step1"]  # saved although the samples failed
+    finally:
+        close_distributed()

@@ -169,7 +169,7 @@ def test_main_destroys_the_process_group_on_every_exit(tmp_path):
     1 of 8 refused two-rank runs exited 250 instead of 2, 0 of 16 with the groups destroyed). Whatever main
     returns, it leaves no process group behind: a refusal after torch.distributed is up, and a finished run."""
     probe = (
-        "import sys, torch.distributed as dist; from glm53_ds.training.trainer import main; "
+        "import sys, torch.distributed as dist; from glm53_ds.training.main import main; "
         "rc = main(sys.argv[1:]); print('exit', rc, 'initialized', dist.is_initialized())"
     )
     for args, rc in [(["--sp", "2"], 2), (["--train-iters", "1"], 0)]:
@@ -202,14 +202,14 @@ def test_readme_main_job_command_lowers_loss(tmp_path):
 
 def test_router_bias_rate_defaults_by_preset(tmp_path):
     from glm53_ds.training.args import build_parser
-    from glm53_ds.training.config import TrainConfig
+    from glm53_ds.training.option_checks import resolve_config
     from glm53_ds.training.presets import tiny
 
     (tmp_path / "config.json").write_text(json.dumps(tiny().to_text_dict()))
     (tmp_path / "wide.json").write_text(json.dumps(tiny().replace(hidden_size=48).to_text_dict()))
 
     def rate(*argv: str) -> float:
-        return TrainConfig.from_args(build_parser().parse_args(list(argv))).router_bias_update_rate
+        return resolve_config(build_parser().parse_args(list(argv))).router_bias_update_rate
 
     # what a model of real width must be given (tests/training/test_config.py)
     REAL_WIDTH_RUN = ["--data", os.path.join(ROOT, "data", "tiny_corpus.txt"), "--seq-length", "4096",
