@@ -172,16 +172,6 @@ class PlannedRun:
             f" --trainable '{trainable}'" if trainable else ""
         )
 
-    def config_section(self) -> str:
-        """The layout as a `--config` file's sections (TOML)."""
-        c = self.config
-        return (f"[parallelism]\nep = {c.ep}\netp = {c.etp}\nsp = {c.sp}\n"
-                f"[model]\nrecompute = \"{c.recompute}\"\n"
-                f"{'offload_activations = true' + chr(10) if c.offload_activations else ''}"
-                f"{f'moe_tile_mib = {c.moe_tile_mib}' + chr(10) if c.moe_tile_mib else ''}"
-                f"{'' if c.loss_chunk_mib == LOSS_CHUNK_MIB else f'loss_chunk_mib = {c.loss_chunk_mib}' + chr(10)}"
-                f"[deepspeed]\ndeepspeed_config = \"{self.deepspeed_config_path()}\"")  # fmt: skip
-
 
 def planner_options(parser: argparse.ArgumentParser) -> None:
     """The planner's flags: the trainer's options that change one rank's memory, as declared (their defaults left

@@ -22,9 +22,10 @@ def test_a_resave_killed_midway_keeps_the_old_tag_whole(tmp_path):
     ck, common = tmp_path / "ck", [*QUICK[2:], "--save", str(tmp_path / "ck"), "--save-interval", "2"]
     assert run("--train-iters", "4", *common, "--output-dir", str(tmp_path / "a")).returncode == 0
     saved = read_manifest_json(ck / "step4")
-    # run 2: resume from step 2 with another learning rate; killed while re-saving step4
-    proc = run("--die-during-save", "step4", "--train-iters", "4", *common, "--load", str(ck), "--load-tag", "step2",
-               "--lr", "1e-2", "--output-dir", str(tmp_path / "b"), script=DIE_DURING_SAVE)  # fmt: skip
+    # run 2: another learning rate into the same --save, told to replace its tags (a branch from step2 there is
+    # refused: tests/training/test_output_dir.py); killed while re-saving step4
+    proc = run("--die-during-save", "step4", "--train-iters", "4", *common, "--save-interval", "4",
+               "--save-into-existing", "--lr", "1e-2", "--output-dir", str(tmp_path / "b"), script=DIE_DURING_SAVE)  # fmt: skip
     assert proc.returncode == 17, proc.stderr[-3000:]
     assert read_manifest_json(ck / "step4") == saved
     assert safe_io.verify_files(str(ck / "step4"), saved["files"], sorted(saved["files"])) == []
