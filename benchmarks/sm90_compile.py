@@ -254,7 +254,23 @@ def _hc_post(dtype: torch.dtype, tokens: int) -> None:
     kernels.hc_post_backward(torch.randn_like(residual), x, residual, post, comb)
 
 
-CALLERS = {"dsa": _dsa, "hc_post": _hc_post}
+def _block_fp8(dtype: torch.dtype, tokens: int) -> None:
+    """The block-FP8 expert GEMM as a LoRA run on the FP8 release calls it: forward (W^T) and input gradient (W) of
+    a routed expert's gate_up weight [2I, D] at the released width, 128 x 128 blocks."""
+    from glm53_ds.layers import block_fp8_triton as kernels
+    from glm53_ds.layers.block_fp8 import BlockLayout, Piece
+
+    experts, inner = 4, 2048
+    layout = BlockLayout((Piece(0, inner), Piece(0, inner)), (Piece(0, HIDDEN),), (128, 128))
+    rows, cols = layout.tables()
+    weight = (torch.zeros(experts, 2 * inner, HIDDEN, dtype=torch.float8_e4m3fn), torch.ones(experts, *layout.scale_shape()),
+              rows, cols)  # fmt: skip
+    offs = torch.tensor([tokens * (e + 1) for e in range(experts)], dtype=torch.int32)
+    kernels.grouped_mm(torch.randn(tokens * experts, HIDDEN).to(dtype), *weight, offs, transpose=True)
+    kernels.grouped_mm(torch.randn(tokens * experts, 2 * inner).to(dtype), *weight, offs, transpose=False)
+
+
+CALLERS = {"dsa": _dsa, "hc_post": _hc_post, "block_fp8": _block_fp8}
 # their tiles follow the heads
 _DSA_KERNELS = {
     "_fwd_kernel",

@@ -22,6 +22,7 @@ from megatron.core.models.gpt import GPTModel
 from torch import nn
 
 from .config import Glm53Config
+from .convert.fp8 import is_fp8_scale_name
 from .convert.import_hf import HFSource
 from .convert.names import (
     Placement,
@@ -32,6 +33,7 @@ from .convert.names import (
     released_layout,
     split_to_released,
 )
+from .layers.block_fp8 import DENSE, FP8_DTYPES, KINDS, ROUTED, SHARED, block_fp8_layout
 from .layers.moe import GroupedExperts
 from .model import Glm53Model, build_model, freeze_padding_row
 from .parallel.expert_shard import ExpertShard
@@ -122,21 +124,32 @@ def load_hf_state_into(
             return name is None or _wanted(name, shard)
         return False  # a tensor of another pipeline stage
 
-    names = [n for n in checkpoint.keys() if wanted(n)]
+    names = [
+        n for n in checkpoint.keys() if wanted(n) and not is_fp8_scale_name(n)
+    ]  # scales: with their weight
     wrong_dtype: list[str] = []
     for raw_name, tensor in checkpoint.tensors(names):
         name = canonical_text_name(raw_name)
         if name is None or is_mtp_shared_duplicate(name, cfg):
             continue
-        if tensor.dtype not in (
+        if not mtp and is_mtp_name(name, cfg):
+            continue  # MTP weights present but MTP not wanted
+        scale = None
+        if tensor.dtype in FP8_DTYPES:
+            scale = checkpoint.fp8_scale(raw_name, tensor)
+            if not _block_fp8_target(state, layout.get(name, [])):  # this model holds it dense
+                tensor, scale = checkpoint.fp8_format(raw_name).dequantize(raw_name, tensor, scale), None
+        elif tensor.dtype not in (
             torch.float32,
             torch.bfloat16,
             torch.float16,
         ):  # int bits would load as values
             wrong_dtype.append(f"{raw_name} is stored as {str(tensor.dtype).removeprefix('torch.')}")
             continue
-        if not mtp and is_mtp_name(name, cfg):
-            continue  # MTP weights present but MTP not wanted
+        elif _block_fp8_target(state, layout.get(name, [])):
+            wrong_dtype.append(f"{raw_name} is stored as {str(tensor.dtype).removeprefix('torch.')}, but this model "
+                               "keeps it in block-FP8 (no silent quantisation)")  # fmt: skip
+            continue
         for released, piece in split_to_released(name, tensor, cfg):
             placements = layout.get(released)
             if placements is None:
@@ -161,13 +174,15 @@ def load_hf_state_into(
                     )
                     continue
                 with torch.no_grad():
-                    target.copy_(part.to(target.dtype))
+                    if scale is not None:
+                        _place_block_fp8(model, state, p, part, scale, shard, released)
+                    else:
+                        target.copy_(part.to(target.dtype))
                 filled[p.native] = filled.get(p.native, 0) + target.numel()
 
     if wrong_dtype:
-        raise CheckpointError(f"checkpoint {checkpoint.directory}: {len(wrong_dtype)} tensor(s) not in float32 / "
-                              "bfloat16 / float16 (an FP8 checkpoint: convert it with hf-to-native first): "
-                              f"{_listing(wrong_dtype)}")  # fmt: skip
+        raise CheckpointError(f"checkpoint {checkpoint.directory}: {len(wrong_dtype)} tensor(s) the model cannot "
+                              f"take as stored: {_listing(wrong_dtype)}")  # fmt: skip
     missing = [n for n in layout if n in held and n not in seen and _wanted(n, shard)]  # checkpoint order
     problems = []
     if missing:
@@ -190,15 +205,76 @@ def load_hf_state_into(
         raise CheckpointError(f"model parameters the checkpoint does not provide: {_listing(uncovered)}")
 
 
+def _block_fp8_target(state: dict[str, torch.Tensor], placements: list[Placement]) -> bool:
+    return any(state[p.native].dtype in FP8_DTYPES for p in placements)
+
+
+def _place_block_fp8(model: nn.Module, state: dict[str, torch.Tensor], p: Placement, part: torch.Tensor,
+                     scale: torch.Tensor, shard: ExpertShard, released: str) -> None:  # fmt: skip
+    """Copy this rank's piece of a stored FP8 weight into its block-FP8 buffer, and the scale blocks that cover the
+    piece into the buffer's scales (`layers/block_fp8.BlockLayout`: which stored blocks, in which module rows)."""
+    owner_name, _, attr = p.native.rpartition(".")
+    layout = block_fp8_layout(model.get_submodule(owner_name), attr)
+    if part.dtype != state[p.native].dtype:
+        raise CheckpointError(f"{released} is stored as {str(part.dtype).removeprefix('torch.')}; block-FP8 residence "
+                              f"takes {str(state[p.native].dtype).removeprefix('torch.')} (use --base-quant none)")  # fmt: skip
+    rows = next((i for i in p.index if isinstance(i, slice)), slice(0, None))
+    starts = [sum(piece.length for piece in layout.rows[:k]) for k in range(len(layout.rows))]
+    stored_rows, stored_cols, module_rows = layout.scale_piece(starts.index(rows.start or 0))
+    experts = tuple(i for i in p.index if isinstance(i, int))
+    state[p.native][p.index].copy_(part)
+    state[p.native + "_scale_inv"][experts][module_rows].copy_(scale[stored_rows, stored_cols])
+
+
+def block_fp8_kinds(checkpoint: SafetensorsCheckpoint, cfg: Glm53Config) -> tuple[str, ...]:
+    """The module kinds (layers/block_fp8.KINDS) the checkpoint stores in block-FP8, every tensor of each. A kind
+    stored partly FP8 and partly dense is refused, naming one of each (no module holds both)."""
+    stored: dict[str, dict[bool, str]] = {}
+    for raw in checkpoint.keys():
+        name = canonical_text_name(raw)
+        kind = None if name is None or is_fp8_scale_name(raw) else tensor_kind(name, cfg)
+        if kind is not None:
+            stored.setdefault(kind, {}).setdefault(checkpoint.dtype(raw) in FP8_DTYPES, raw)
+    mixed = {k: v for k, v in stored.items() if len(v) == 2}
+    if mixed:
+        kind, names = next(iter(mixed.items()))
+        raise CheckpointError(f"checkpoint {checkpoint.directory}: the {kind.replace('_', ' ')} are stored partly in "
+                              f"FP8 ({names[True]}) and partly not ({names[False]}); block-FP8 residence needs all or "
+                              "none of a kind: use --base-quant none")  # fmt: skip
+    return tuple(k for k in KINDS if stored.get(k, {}).keys() == {True})
+
+
+def tensor_kind(name: str, cfg: Glm53Config) -> str | None:
+    if released_expert(name) is not None:
+        return ROUTED
+    if ".mlp.shared_experts." in name:
+        return SHARED
+    m = re.search(r"\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight$", name)
+    return DENSE if m and int(m.group(1)) < cfg.num_hidden_layers else None
+
+
 def load_hf(
-    hf_dir: str, dtype: torch.dtype = torch.float32, mtp: bool | None = None, **overrides: Any
-) -> Glm53Model:
+    hf_dir: str, dtype: torch.dtype = torch.float32, mtp: bool | None = None, base_quant: str = "none",
+    **overrides: Any,
+) -> Glm53Model:  # fmt: skip
     """Build the model from `hf_dir/config.json` and load its safetensors. See the module docstring for MTP.
-    `overrides`: transformer-config fields (e.g. `attention_impl="eager"`)."""
+    `base_quant="fp8"`: the module kinds the checkpoint stores in block-FP8 stay so (frozen; layers/block_fp8.py),
+    "none": dequantised to `dtype`. `overrides`: transformer-config fields (e.g. `attention_impl="eager"`)."""
+    if base_quant not in ("none", "fp8"):
+        raise ValueError(f"base_quant={base_quant!r}: expected 'none' or 'fp8'")
     cfg = Glm53Config.from_hf(hf_dir)
     checkpoint = SafetensorsCheckpoint(hf_dir)
     has_mtp = cfg.num_nextn_predict_layers > 0 and checkpoint_has_mtp(checkpoint.keys(), cfg)
     use_mtp = has_mtp if mtp is None else mtp
+    if base_quant == "fp8":
+        kinds = block_fp8_kinds(checkpoint, cfg)
+        if not kinds:
+            raise CheckpointError(
+                f"base_quant='fp8': {hf_dir} stores no weights in block-FP8 (nothing is quantised)"
+            )
+        overrides = dict(
+            overrides, block_fp8_modules=kinds, block_fp8_block=checkpoint.fp8_format(hf_dir).block
+        )
     model = build_model(cfg, dtype=dtype, mtp=use_mtp, **overrides)
     load_hf_state_into(model, checkpoint, mtp=use_mtp)
     return model

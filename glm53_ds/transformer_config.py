@@ -54,6 +54,10 @@ class Glm53TransformerConfig(TransformerConfig):
     # > 0: each MoE layer routes and computes its tokens in tiles whose expert activations stay within this many
     # bytes, each tile recomputed in backward (layers/moe/moe_layer.py); the MoE's peak is one tile's.
     moe_tile_bytes: int = 0
+    # Module kinds (layers/block_fp8.py KINDS) whose frozen weights stay in the checkpoint's block-FP8, with its
+    # (row, column) block size (quantization_config.weight_block_size): --base-quant fp8. Empty: dense weights.
+    block_fp8_modules: tuple[str, ...] = ()
+    block_fp8_block: tuple[int, int] = (128, 128)
 
     def __post_init__(self) -> None:
         if not isinstance(self.glm, Glm53Config):

@@ -33,10 +33,12 @@ from typing import Any
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from torch.utils.checkpoint import checkpoint
 
+from .layers.block_fp8 import DENSE, mlp_linears
 from .layers.documents import Documents
 from .layers.masks import token_mask
 from .layers.moe import Glm53MoE
@@ -68,6 +70,10 @@ class Glm53TransformerLayer(TransformerLayer):
         glm_moe = mlp_class is not None and issubclass(mlp_class, Glm53MoE)
         if glm_moe:
             submodules = dataclasses.replace(submodules, mlp=IdentityOp)  # type: ignore[call-arg]
+        elif (fp8 := mlp_linears(config, DENSE)) and isinstance(mlp_spec, ModuleSpec) and mlp_class is MLP:
+            # the dense MLP's frozen weights kept in the checkpoint's block-FP8 (--base-quant fp8)
+            linears = MLPSubmodules(linear_fc1=fp8[0], linear_fc2=fp8[1])
+            submodules = dataclasses.replace(submodules, mlp=ModuleSpec(module=MLP, submodules=linears))  # type: ignore[call-arg]
         super().__init__(config, submodules, layer_number, hidden_dropout, pg_collection, vp_stage)
         if glm_moe:
             self.mlp = build_module(mlp_spec, config=self.config, pg_collection=self.pg_collection)

@@ -252,3 +252,38 @@ def training_step(model):  # type: ignore[no-untyped-def]
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return model, loss.detach(), grads
+
+
+def save_fp8_copy(src, dst, block: tuple[int, int], skip: tuple[str, ...] = ()) -> pathlib.Path:
+    """A copy of a tiny released checkpoint as the FP8 release stores it: every routed, shared and dense MLP expert
+    weight (MTP's too) in float8_e4m3fn with a `weight_scale_inv` per `block`, `quantization_config` in config.json
+    (names containing any of `skip` stay as they are: `modules_to_not_convert`)."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from glm53_ds.convert.fp8 import quantize_fp8
+
+    dst = pathlib.Path(dst)
+    shutil.copytree(src, dst)
+    files = sorted(dst.glob("*.safetensors"))
+    pattern = re.compile(r"\.mlp\.(experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj\.weight$")
+    for file in files:
+        tensors = load_file(file)
+        for name in list(tensors):
+            if pattern.search(name) and not any(s in name for s in skip):
+                tensors[name], tensors[name[: -len(".weight")] + ".weight_scale_inv"] = quantize_fp8(
+                    tensors[name], block
+                )
+        save_file(tensors, file, metadata={"format": "pt"})
+    index = dst / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {n: f.name for f in files for n in load_file(f)}
+        index.write_text(json.dumps(data))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block), "modules_to_not_convert": list(skip)}  # fmt: skip
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst

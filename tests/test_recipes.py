@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shlex
+import tomllib
 
 import pytest
 
@@ -76,8 +77,26 @@ TINY = ("--model-config", "tiny", "--data", os.path.join(ROOT, "data", "tiny_cha
         "--sp", "1", "--seq-length", "256", "--deepspeed_config", os.path.join(ROOT, "ds_configs", "cpu.json"))  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def tiny_fp8_release(tmp_path_factory) -> str:
+    """The tiny model as the FP8 download stores it (block-FP8 experts, 16 x 16 blocks): what `--base-quant fp8`
+    recipes take as --hf-dir."""
+    from tests.model_fixtures import save_fp8_copy, save_tiny_hf
+
+    bf16 = tmp_path_factory.mktemp("tiny_bf16")
+    save_tiny_hf(bf16, preset("tiny").to_text_dict())
+    return str(save_fp8_copy(bf16, tmp_path_factory.mktemp("fp8") / "tiny_fp8", (16, 16)))
+
+
+def _tiny_for(recipe: str, fp8_release: str) -> tuple[str, ...]:
+    """TINY, and for a recipe that keeps its base in block-FP8 the tiny FP8 download as its weights."""
+    with open(recipe, "rb") as f:
+        fp8 = tomllib.load(f).get("fine_tuning", {}).get("base_quant") == "fp8"
+    return (*TINY, "--hf-dir", fp8_release, "--tokenizer", "bytes") if fp8 else TINY
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)
-def test_each_recipe_passes_the_trainers_own_set_up(tmp_path, monkeypatch, recipe):
+def test_each_recipe_passes_the_trainers_own_set_up(tmp_path, monkeypatch, recipe, tiny_fp8_release):
     """Before: every recipe was refused at set-up (`--export-adapter 'runs/.../adapter' is inside --output-dir`),
     after DeepSpeed had started on every GPU, while this file only resolved the options. Now each starts the
     trainer's whole set-up (data, layout, model, engine, locks, the run file) with the tiny model substituted; its
@@ -86,7 +105,7 @@ def test_each_recipe_passes_the_trainers_own_set_up(tmp_path, monkeypatch, recip
     from glm53_ds.training.trainer import Trainer
 
     monkeypatch.chdir(tmp_path)  # the recipe's relative outputs (runs/...) land here
-    config = train_config("--config", recipe, *TINY)
+    config = train_config("--config", recipe, *_tiny_for(recipe, tiny_fp8_release))
     exports = [p for p in (config.export_hf, config.export_adapter) if p]
     assert exports and all(os.path.dirname(p) == config.output_dir for p in exports), (
         exports,
@@ -95,10 +114,12 @@ def test_each_recipe_passes_the_trainers_own_set_up(tmp_path, monkeypatch, recip
     trainer = Trainer(config)
     try:
         trainer.setup()
+        kept = trainer.base_quant.kept
     finally:
         trainer.close()
         close_distributed()
     assert os.path.isfile(os.path.join(config.output_dir, "run.toml"))
+    assert kept == ("block_fp8" if config.base_quant == "fp8" else "dense")
 
 
 def test_an_export_may_sit_inside_the_output_dir_but_not_be_it_or_hold_it(tmp_path):

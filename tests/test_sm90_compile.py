@@ -18,12 +18,18 @@ import pytest
 
 from tests.cli import ROOT
 
-COMMON = {"fwd_kernel", "segment_sum_kernel", "hc_post_fwd_kernel", "hc_post_bwd_kernel"}
+COMMON = {
+    "fwd_kernel",
+    "segment_sum_kernel",
+    "hc_post_fwd_kernel",
+    "hc_post_bwd_kernel",
+    "block_fp8_gemm_kernel",
+}
 KERNELS = {  # the DSA backward: one fused kernel per query in bf16 (and its atomic alternative), two in fp32
     "bf16": COMMON | {"bwd_query_kernel", "bwd_query_kernel:atomic"},
     "fp32": COMMON | {"bwd_slots_kernel", "bwd_dq_kernel"},
 }
-WGMMA = ("fwd_kernel", "bwd_query_kernel")  # the DSA kernels' matrix products
+WGMMA = ("fwd_kernel", "bwd_query_kernel", "block_fp8_gemm_kernel")  # the DSA and block-FP8 GEMMs' products
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +58,8 @@ def test_every_kernel_compiles_for_sm90_within_its_limits(compiled):
 
 def test_the_dsa_kernels_are_hopper_kernels(compiled):
     """At the released width (64 heads: one warpgroup's 64 rows) the DSA forward and the fused backward use wgmma.
-    Before: mma.sync only (16-head tiles; every latent row gathered 4 times)."""
+    Before: mma.sync only (16-head tiles; every latent row gathered 4 times). The block-FP8 expert GEMM (forward and
+    input gradient) dequantises its tile in registers and multiplies it on wgmma too."""
     _, result = compiled
     mma = {
         k["kernel"]: k["mma"] for k in result["kernels"] if k["dtype"] == "bf16" and k["heads"] in (None, 64)

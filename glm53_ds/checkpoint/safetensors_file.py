@@ -69,6 +69,10 @@ class SafetensorsFile:
     def shape(self, name: str) -> list[int]:
         return list(self._entry(name)["shape"])
 
+    def dtype(self, name: str) -> torch.dtype | None:
+        """The stored dtype (None: one this reader does not know), from the header."""
+        return DTYPES.get(self._entry(name)["dtype"])
+
     def read(self, name: str, index: tuple[int | slice, ...] = ()) -> torch.Tensor:
         """`tensor[index]` as a tensor of its own; only the rows of the leading dimension it needs are read."""
         entry = self._entry(name)
@@ -150,3 +154,6 @@ class SafetensorsSet:
 
     def shape(self, name: str) -> list[int]:
         return self.file(self.weight_map[name]).shape(name)
+
+    def dtype(self, name: str) -> torch.dtype | None:
+        return self.file(self.weight_map[name]).dtype(name)

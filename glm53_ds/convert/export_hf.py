@@ -27,8 +27,10 @@ from ..checkpoint import (
     expert_set_name,
 )
 from ..config import Glm53Config
+from ..layers.block_fp8 import FP8_DTYPES
 from ..model import Glm53Model, build_model
 from ..safe_io import check_output_dir, staged_dir
+from .fp8 import Fp8Format, quantize_fp8, scale_name
 from .import_hf import ConversionError, HFSource
 from .names import Placement, released_layout
 from .tokenizer_files import TOKENIZER_FILES, write_byte_tokenizer
@@ -86,6 +88,83 @@ class NativeCheckpoint(CheckpointDir):
                     tie_word_embeddings=self.model_config.tie_word_embeddings, dtype="float32")  # fmt: skip
 
 
+class Fp8Requantiser:
+    """`--export-format fp8`: the tensors that FP8 checkpoint `like` stores in block-FP8 written back in its layout
+    (its `quantization_config` block, `weight_scale_inv` beside each), requantised from the export's dense values;
+    the relative error against those values (what the dense export would hold) is measured on the way."""
+
+    def __init__(self, like: str, cfg: Glm53Config) -> None:
+        source = HFSource(like)
+        self.format: Fp8Format | None = source.fp8
+        if self.format is None:
+            raise ConversionError(f"{like}: not an FP8 checkpoint (config.json has no quantization_config): the "
+                                  "FP8 export writes the layout of the FP8 checkpoint the run started from")  # fmt: skip
+        stored_fp8 = {
+            released: source.dtype(stored) for released, (stored, _) in source.released_names(cfg).items()
+            if source.dtype(stored) in FP8_DTYPES
+        }  # fmt: skip
+        other = sorted(n for n, dtype in stored_fp8.items() if dtype != torch.float8_e4m3fn)
+        if other:
+            raise ConversionError(f"{like}: {other[0]} is stored {stored_fp8[other[0]]}: the FP8 export writes "
+                                  "float8_e4m3fn only")  # fmt: skip
+        self.names = frozenset(stored_fp8)
+        with open(os.path.join(like, "config.json"), encoding="utf-8") as f:
+            raw = json.load(f)
+        text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+        self.quantization_config: dict[str, Any] = (
+            raw.get("quantization_config") or text["quantization_config"]
+        )
+        self.tensors, self.error2, self.norm2, self.worst = 0, 0.0, 0.0, (0.0, "")
+
+    def add(self, writer: ShardWriter, name: str, tensor: torch.Tensor) -> None:
+        if name not in self.names:
+            writer.add(name, tensor)
+            return
+        assert self.format is not None
+        q, scale_inv = quantize_fp8(tensor, self.format.block)
+        dense = tensor.float()
+        error2 = (self.format.dequantize(name, q, scale_inv) - dense).square().sum().item()
+        norm2 = dense.square().sum().item()
+        self.tensors, self.error2, self.norm2 = self.tensors + 1, self.error2 + error2, self.norm2 + norm2
+        self.worst = max(self.worst, ((error2 / norm2) ** 0.5 if norm2 else 0.0, name))
+        writer.add(name, q)
+        writer.add(scale_name(name), scale_inv)
+
+    def summary(self) -> str:
+        assert self.format is not None
+        overall = (self.error2 / self.norm2) ** 0.5 if self.norm2 else 0.0
+        return (f"{self.tensors} tensors requantised to block-FP8 {self.format.block[0]}x{self.format.block[1]}: "
+                f"relative error vs the dense merge {overall:.2e} overall, {self.worst[0]:.2e} at worst "
+                f"({self.worst[1]})")  # fmt: skip
+
+
+def drop_quantization_config(path: str) -> None:
+    """A dense export's config.json carried from an FP8 checkpoint: its `quantization_config` would make loaders
+    read the dense weights as FP8."""
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    sections = [config] + ([config["text_config"]] if isinstance(config.get("text_config"), dict) else [])
+    if not any("quantization_config" in d for d in sections):
+        return
+    for d in sections:
+        d.pop("quantization_config", None)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+
+
+def set_quantization_config(path: str, quantization_config: dict[str, Any]) -> None:
+    """An FP8 export's config.json: the FP8 checkpoint's `quantization_config`, where the carried config has none
+    (a resumed run's config comes from its checkpoint)."""
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    if config.get("quantization_config") or text.get("quantization_config"):
+        return
+    config["quantization_config"] = quantization_config
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+
+
 def say_weights_dtype(path: str, dtype: torch.dtype) -> None:
     """config.json's `dtype` (and an older `torch_dtype`, top level and text config) set to the dtype the exported
     weights are in (the one most of their elements have): a config carried from a float32 base said float32 over
@@ -126,14 +205,16 @@ def check_template(native: NativeCheckpoint, hf_template: str) -> None:
 def native_to_hf(
     ckpt: str, out: str, hf_template: str | None = None, force: bool = False,
     shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = False, config_json: str | None = None,
-    tokenizer: str | None = None,
+    tokenizer: str | None = None, requantiser: Fp8Requantiser | None = None,
 ) -> str:  # fmt: skip
     """Write `out` whole (built under a temporary name, removed on failure). An existing non-empty `out` is
     refused without `force`; with it only the files the export writes are replaced, nothing is deleted.
     `config_json`: the config.json to carry verbatim (a running job's --hf-dir's), before the checkpoint's own.
     `tokenizer`: "bytes" (written as a real tokenizer, `tokenizer_files`) or a directory whose tokenizer files are
     copied; default: the template's. `generation_config.json`: the template's, else the tokenizer directory's,
-    else one with the model's eos / pad ids."""
+    else one with the model's eos / pad ids. `requantiser`: the FP8 checkpoint's block-FP8 tensors written in its
+    layout (config.json keeps its quantization_config); without one every weight is dense and config.json carries
+    none."""
     native = NativeCheckpoint(ckpt)
     if native.adapters_only:
         raise ConversionError(f"{native.root}: a LoRA run's checkpoint holds its adapters without the base weights; "
@@ -150,7 +231,10 @@ def native_to_hf(
             torch.dtype, int
         ] = {}  # the text model's elements by dtype: what config.json's dtype says
         for name, tensor in native.released():
-            writer.add(name, tensor)
+            if requantiser is not None:
+                requantiser.add(writer, name, tensor)
+            else:
+                writer.add(name, tensor)
             elements[tensor.dtype] = elements.get(tensor.dtype, 0) + tensor.numel()
             if bar is not None:
                 bar.update(1)
@@ -161,6 +245,10 @@ def native_to_hf(
                     writer.add(name, source.raw(name))  # unchanged, bytes and dtype
         writer.close()
         native.write_hf_config(os.path.join(tmp, "config.json"), hf_template, verbatim=config_json)
+        if requantiser is None:
+            drop_quantization_config(os.path.join(tmp, "config.json"))
+        else:
+            set_quantization_config(os.path.join(tmp, "config.json"), requantiser.quantization_config)
         if elements:
             say_weights_dtype(os.path.join(tmp, "config.json"), max(elements, key=lambda d: elements[d]))
         tokenizer_dir = tokenizer or hf_template

@@ -23,6 +23,7 @@ from ..checkpoint.directory import write_latest
 from ..checkpoint.placement import copies, index_placement
 from ..checkpoint.safetensors_file import SafetensorsSet, check_plain_file_name
 from ..config import Glm53Config
+from ..layers.block_fp8 import FP8_DTYPES
 from ..model import build_model
 from ..parallel.expert_shard import ExpertShard, expert_tensor_kind
 from ..safe_io import (
@@ -32,7 +33,7 @@ from ..safe_io import (
     staged_dir,
     write_manifest,
 )
-from .fp8 import dequantize_fp8, is_fp8_scale_name
+from .fp8 import Fp8Format, check_scale_spellings, is_fp8_scale_name, scale_name
 from .names import (
     Placement,
     canonical_text_name,
@@ -72,6 +73,30 @@ class HFSource:
         )
         if missing_files:
             raise FileNotFoundError(f"{directory}: index names shard(s) that do not exist: {missing_files}")
+        check_scale_spellings(list(self.weight_map), directory)
+        self.fp8 = _fp8_format(directory)
+
+    def fp8_format(self, name: str) -> Fp8Format:
+        """The block format of FP8 tensor `name` (refused when config.json does not state one: never assumed)."""
+        if self.fp8 is None:
+            raise ConversionError(f"{self.directory}: {name} is stored as FP8 but config.json has no "
+                                  "quantization_config.weight_block_size (the scale block is never assumed)")  # fmt: skip
+        return self.fp8
+
+    def dtype(self, name: str) -> torch.dtype | None:
+        return self.files.dtype(name)
+
+    def fp8_scale(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """The fp32 block scales of stored FP8 weight `name` (read as stored), checked against the block format."""
+        scale = self.raw(self.scale_of(name))
+        self.fp8_format(name).check_scale(name, tuple(weight.shape), tuple(scale.shape))
+        return scale.float()
+
+    def scale_of(self, name: str) -> str:
+        scale = scale_name(name)
+        if scale not in self.weight_map:
+            raise ConversionError(f"{name} is stored as FP8 but has no {scale} to dequantise it")
+        return scale
 
     def keys(self) -> list[str]:
         return list(self.weight_map)
@@ -86,17 +111,12 @@ class HFSource:
 
     def read(self, name: str) -> torch.Tensor:
         tensor = self.raw(name)
-        scale = (
-            f"{name}_scale_inv"
-            if not name.endswith(".weight")
-            else name[: -len(".weight")] + ".weight_scale_inv"
-        )
-        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            if scale not in self.weight_map:
-                raise ConversionError(
-                    f"{name} is stored as {tensor.dtype} but has no {scale} to dequantise it"
-                )
-            tensor = dequantize_fp8(name, tensor, self.raw(scale)).to(self.fp8_dtype)
+        if tensor.dtype in FP8_DTYPES:
+            tensor = (
+                self.fp8_format(name)
+                .dequantize(name, tensor, self.raw(self.scale_of(name)))
+                .to(self.fp8_dtype)
+            )
         if tensor.dtype not in (
             torch.float32,
             torch.bfloat16,
@@ -147,6 +167,14 @@ class HFSource:
         return (
             tensor if piece is None else tensor.clone()
         )  # a piece of a fused tensor: do not keep the rest alive
+
+
+def _fp8_format(directory: str) -> Fp8Format | None:
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return Fp8Format.of_config(json.load(f), path)
 
 
 @functools.lru_cache(maxsize=4)

@@ -49,7 +49,7 @@ from ..checkpoint import (
 from ..checkpoint.publish import from_rank0, gather
 from ..config import Glm53Config
 from ..convert.export_adapter import native_to_peft
-from ..convert.export_hf import native_to_hf
+from ..convert.export_hf import Fp8Requantiser, native_to_hf
 from ..layers.lora import is_lora_param, merged_state_dict
 from ..safe_io import disk_full_said, new_temp_dir
 from .deepspeed_internals import (
@@ -426,21 +426,26 @@ def export_engine_to_peft(engine: Glm53Engine, out_dir: str, force: bool = False
 
 def export_engine_to_hf(
     engine: Glm53Engine, cfg: Glm53Config, out_dir: str, template: str | None = None, force: bool = False,
-    tokenizer: str | None = None,
-) -> None:  # fmt: skip
+    tokenizer: str | None = None, fp8_like: str | None = None,
+) -> str | None:  # fmt: skip
     """From a running job: save the model (LoRA adapters merged: `save_merged_model`) into a fresh temporary
     directory beside `out_dir`, then rank 0
     converts it (`native_to_hf`: the output appears whole; with `force` into an existing directory, only the files
     the export writes are replaced) and removes the temporary directory it created. `tokenizer`: "bytes" or the
-    tokenizer directory the export carries (`native_to_hf`). Collective."""
+    tokenizer directory the export carries (`native_to_hf`). `fp8_like`: an FP8 checkpoint whose block-FP8 tensors
+    are written requantised in its layout (`Fp8Requantiser`); returns its error summary (else None). Collective."""
     work = from_rank0(new_temp_dir(f"{out_dir.rstrip('/')}.native") if dist.get_rank() == 0 else None)
+    summary = None
     try:
         tag_dir = save_merged_model(engine, work, "export")
         if dist.get_rank() == 0:
             config_json = os.path.join(template, "config.json") if template else None
+            requantiser = Fp8Requantiser(fp8_like, cfg) if fp8_like else None
             native_to_hf(tag_dir, out_dir, hf_template=template, force=force, config_json=config_json,
-                         tokenizer=tokenizer)  # fmt: skip
+                         tokenizer=tokenizer, requantiser=requantiser)  # fmt: skip
+            summary = requantiser.summary() if requantiser is not None else None
         dist.barrier()
     finally:
         if dist.get_rank() == 0:
             shutil.rmtree(work, ignore_errors=True)  # created by this run
+    return from_rank0(summary)

@@ -34,6 +34,7 @@ from torch import nn
 
 from ..parallel.comm import sum_grad_over
 from ..parallel.expert_shard import ExpertShard
+from .block_fp8 import compute_like, dense_weight, is_block_fp8
 
 LORA_TARGETS = ("mla", "kda", "mlp", "shared_expert", "experts")  # what lora_targets.py can adapt
 
@@ -161,6 +162,8 @@ def merged_weight(module: nn.Module, kind: str = "weight") -> torch.Tensor:
     lora = getattr(module, "lora", None)
     w = getattr(module, kind)
     assert isinstance(w, torch.Tensor)
+    if is_block_fp8(w):  # a frozen base kept in block-FP8: its dense value, in the model's dtype
+        w = dense_weight(module, kind, compute_like(module, w).dtype)
     if isinstance(lora, LoraAdapter):
         return (w.float() + lora.scale * (lora.B.float() @ lora.A.float())).to(w.dtype)
     if isinstance(lora, GroupedLora):
@@ -171,11 +174,15 @@ def merged_weight(module: nn.Module, kind: str = "weight") -> torch.Tensor:
 
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict with every adapter merged into its weight (`merged_weight`) and no adapter tensors:
-    the model a LoRA run exports (fp32-kept and other unadapted tensors as they are)."""
+    the model a LoRA run exports (fp32-kept and other unadapted tensors as they are; a block-FP8 base dequantised
+    to the model's dtype, without its scales)."""
     state = {k: v for k, v in model.state_dict().items() if not is_lora_param(k)}
     with torch.no_grad():
         for name, module in model.named_modules():
             lora = getattr(module, "lora", None)
+            for kind in getattr(module, "block_fp8_layouts", {}):
+                state[f"{name}.{kind}"] = merged_weight(module, kind)
+                del state[f"{name}.{kind}_scale_inv"]
             if isinstance(lora, LoraAdapter):
                 state[f"{name}.weight"] = merged_weight(module)
             elif isinstance(lora, GroupedLora):

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron.core.transformer.mlp import MLP
 from torch import nn
 
+from .block_fp8 import compute_like
 from .kda import KimiDeltaAttention
 from .lora import GroupedLora, LoraAdapter, LoraSpec, add_adapter
 from .mla import SparseMLA
@@ -61,7 +62,9 @@ def apply_lora(model: nn.Module, spec: LoraSpec, etp_group: dist.ProcessGroup | 
     for name, linear in lora_targets(model, spec.targets):
         weight = linear.weight
         assert isinstance(weight, torch.Tensor)
-        linear.lora = LoraAdapter(f"{name}.lora", weight.shape[1], weight.shape[0], spec, weight)
+        linear.lora = LoraAdapter(
+            f"{name}.lora", weight.shape[1], weight.shape[0], spec, compute_like(linear, weight)
+        )
         linear.register_forward_hook(add_adapter)
         names.append(name)
     model.lora_spec = spec  # type: ignore[assignment]  # what checkpoints record (engine/checkpoint.py)
@@ -69,7 +72,7 @@ def apply_lora(model: nn.Module, spec: LoraSpec, etp_group: dist.ProcessGroup | 
         for name, experts in model.named_modules():
             if isinstance(experts, GroupedExperts):
                 experts.lora = GroupedLora(f"{name}.lora", experts.shard, experts.gate_up_proj.shape[-1], spec,
-                                           experts.gate_up_proj)  # fmt: skip
+                                           compute_like(experts, experts.gate_up_proj))  # fmt: skip
                 if etp_group is not None and experts.shard.etp > 1:
                     experts.lora.etp_group = etp_group
                 names.append(name)

@@ -130,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     print("per rank, parameters held (trained / frozen):")
     for kind in KINDS:
         print(f"  {kind:<11} {counts.trained[kind]:>16,} / {counts.frozen[kind]:,}")
+    if counts.block_fp8:
+        print(f"  block-FP8   {0:>16,} / {counts.block_fp8:,} (1 byte each, + {counts.block_fp8_scales:,} fp32 "
+              f"block scales)")  # fmt: skip
     print("per rank, training state:")
     for key, value in memory.state.as_dict().items():
         print(f"  {key:<11} {value / GiB:10.2f} GiB")

@@ -33,6 +33,8 @@ class ParameterCounts:
     trained: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     frozen: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     buffers: int = 0  # elements of the model's buffers (the router's correction bias, ...): fp32
+    block_fp8: int = 0  # elements of the frozen weights kept in block-FP8 (--base-quant fp8): 1 byte each
+    block_fp8_scales: int = 0  # their fp32 block scales
     total: int = 0  # every parameter of the whole model (all experts)
     active: int = 0  # parameters one token computes with: all but the routed experts it is not sent to
     tensors: int = 0  # parameter tensors on the rank
@@ -46,7 +48,7 @@ def whole_model_on_meta(run: PlannedRun) -> Glm53Model:
     spec = run.config.lora_spec()
     with torch.device("meta"):
         model = build_model(run.model, dtype=torch.bfloat16, mtp=run.model.num_nextn_predict_layers > 0,
-                            perform_initialization=False)  # fmt: skip
+                            perform_initialization=False, **run.base_fields)  # fmt: skip
         if spec is not None:
             apply_lora(model, spec)
     return model
@@ -72,5 +74,22 @@ def count_parameters(run: PlannedRun) -> ParameterCounts:
         out.tensors += 1
         # a token uses top-k of the routed experts (their adapters too), everything else whole
         out.active += p.numel() if split is None else p.numel() // cfg.n_routed_experts * experts_per_token
-    out.buffers = sum(b.numel() for b in model.buffers())
+    fp8: set[str] = set()
+    for module_name, module in model.named_modules():
+        for kind in getattr(module, "block_fp8_layouts", {}):
+            name = f"{module_name}.{kind}"
+            data, scale = getattr(module, kind), getattr(module, f"{kind}_scale_inv")
+            parts = (
+                c.ep * c.etp if expert_split(name) is not None else 1
+            )  # experts and their FFN divide evenly
+            out.block_fp8 += data.numel() // parts
+            out.block_fp8_scales += -(
+                -scale.numel() // parts
+            )  # a slice inside a block keeps that block's scale
+            out.total += data.numel()
+            out.active += (
+                data.numel() if parts == 1 else data.numel() // cfg.n_routed_experts * experts_per_token
+            )
+            fp8 |= {name, f"{name}_scale_inv"}
+    out.buffers = sum(b.numel() for n, b in model.named_buffers() if n not in fp8)
     return out

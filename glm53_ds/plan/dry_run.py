@@ -244,7 +244,7 @@ def rank_model_on_meta(
     layout = init_layout(c.ep, c.etp, cfg, sp=c.sp)
     gpt_model = gpt_model_length > 0
     tconfig = make_transformer_config(cfg, torch.bfloat16, mtp=gpt_model and cfg.num_nextn_predict_layers > 0,
-                                      perform_initialization=False, **c.transformer_overrides())  # fmt: skip
+                                      perform_initialization=False, **c.transformer_overrides(), **run.base_fields)  # fmt: skip
     with torch.device("meta"):
         model = _gpt_model(cfg, tconfig, gpt_model_length) if gpt_model else Glm53Model(
             tconfig, pg_collection=layout.pg_collection)  # fmt: skip

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from ..config import Glm53Config
+from ..layers.block_fp8 import KINDS, RELEASED_BLOCK
+from ..training.base_quant import resolve_base_quant
 from ..training.config import TrainConfig
+from ..training.errors import SetupError
 from ..training.model_converters import ModelConverter, model_converters
 from ..training.options import add_options, planned, say_defaults
 from ..training.run_file import read_config
@@ -117,6 +121,25 @@ class PlannedRun:
             return self.config.trainable
         return indexer_loss_trainable(self.lora_rank > 0, self.trains_indexer)
 
+    @functools.cached_property
+    def base_fields(self) -> dict[str, Any]:
+        """The transformer-config fields of the base the run keeps in block-FP8 (--base-quant): what the trainer
+        resolves from --hf-dir when it is given; without weights, `fp8` means the release's format (routed, shared
+        and dense MLP experts at 128 x 128) and `auto` a dense base (no FP8 checkpoint named)."""
+        c = self.config
+        if c.hf_dir:
+            try:
+                quant = resolve_base_quant(c, self.model, c.hf_dir, self.model.num_nextn_predict_layers > 0)
+            except SetupError as e:
+                raise ValueError(str(e).removeprefix("error: ")) from e
+            return quant.transformer_fields()
+        if c.base_quant != "fp8":
+            return {}
+        if c.lora_rank == 0:
+            raise ValueError("--base-quant fp8: the block-FP8 weights stay frozen, and full fine-tuning trains every "
+                             "weight; use --base-quant none")  # fmt: skip
+        return dict(block_fp8_modules=KINDS, block_fp8_block=RELEASED_BLOCK)
+
     def converters(self) -> list[ModelConverter]:
         """The trainer's model converters for this run: its LoRA adapters and trainable set."""
         return model_converters(
@@ -129,7 +152,8 @@ class PlannedRun:
         return (f"world {c.gpus}: EP {c.ep} x ETP {c.etp} x SP {c.sp}, ZeRO {self.zero}, "
                 f"recompute {c.recompute}{', activations offloaded' if c.offload_activations else ''}"
                 f"{f', MoE tiles of {c.moe_tile_mib} MiB' if c.moe_tile_mib else ''}"
-                f"{'' if c.loss_chunk_mib == LOSS_CHUNK_MIB else f', {self._loss_head()}'}")  # fmt: skip
+                f"{'' if c.loss_chunk_mib == LOSS_CHUNK_MIB else f', {self._loss_head()}'}"
+                f"{', base in block-FP8' if self.base_fields else ''}")  # fmt: skip
 
     def _loss_head(self) -> str:
         chunk = self.config.loss_chunk_mib
@@ -165,11 +189,14 @@ class PlannedRun:
         """The run's flags beside the layout's that change what it holds: the indexer loss (it trains the indexer;
         a LoRA run names it trainable too, as the trainer asks)."""
         c = self.config
+        base = " --base-quant fp8" if self.base_fields else ""
         if c.indexer_loss_coef <= 0:
-            return ""
+            return base
         trainable = self.trainable
-        return f" --indexer-loss-coef {c.indexer_loss_coef}" + (
-            f" --trainable '{trainable}'" if trainable else ""
+        return (
+            base
+            + f" --indexer-loss-coef {c.indexer_loss_coef}"
+            + (f" --trainable '{trainable}'" if trainable else "")
         )
 
 

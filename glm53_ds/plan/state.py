@@ -53,6 +53,7 @@ def state_bytes(
     groups = {"replicated": world // etp, "expert": world // (ep * etp)}
     kept_held = counts.held("fp32_kept")
     weights = width * (counts.held("replicated") + counts.held("expert")) + 4 * (kept_held + counts.buffers)
+    weights += counts.block_fp8 + 4 * counts.block_fp8_scales  # a frozen base kept in block-FP8
     gradients = masters = moments = 0
     deepspeed_kinds = ("replicated", "expert") + (() if bf16 else ("fp32_kept",))
     for kind in deepspeed_kinds:

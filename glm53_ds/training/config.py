@@ -30,6 +30,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 DEFAULT_DATA = os.path.join(REPO_ROOT, "data", "tiny_corpus.txt")
 # the sections: the command line's argument groups, the run file's tables (model, fine_tuning, ...)
 MODEL, FINE_TUNING, PARALLELISM, DATA = "model", "fine-tuning", "parallelism", "data"
+BASE_QUANT = ("auto", "none", "fp8")
+EXPORT_FORMATS = ("dense", "fp8")
 OPTIMIZATION, OUTPUT, PLANNING, DEEPSPEED = "optimization", "checkpoints and output", "planning", "DeepSpeed"
 
 
@@ -83,6 +85,11 @@ class TrainConfig:
                                       "(DeepSeek-V3.2), weighted by this; 0 keeps them frozen, as the LM loss gives "
                                       "them no gradient (docs/indexer_loss.md)", plan=MEMORY, least=0)  # fmt: skip
     # ---- fine-tuning: LoRA adapters and which parameters train
+    base_quant: str = option("auto", FINE_TUNING, "how frozen weights the checkpoint stores in block-FP8 (the "
+                             "released download's experts) are held: fp8 = resident as stored, dequantised tile "
+                             "by tile inside the GEMMs (half the bytes; the same values); none = dequantised to the "
+                             "model's dtype at load; auto = fp8 for a LoRA run on an FP8 checkpoint, else none",
+                             choices=BASE_QUANT, plan=MEMORY)  # fmt: skip
     lora_rank: int = option(0, FINE_TUNING, "LoRA adapters of this rank on --lora-targets, the base frozen (its "
                             "router bias too: --router-bias-update-rate defaults to 0) (0: full fine-tuning)", plan=MEMORY, least=0)  # fmt: skip
     lora_alpha: float | None = option(None, FINE_TUNING, "the adapters' scale is alpha / rank (default: alpha = "
@@ -166,6 +173,10 @@ class TrainConfig:
     export_hf: str | None = option(None, OUTPUT, "write a transformers-loadable directory at the end (with "
                                    "--hf-dir's tokenizer files); refused if it exists and is not empty, unless "
                                    "--force")  # fmt: skip
+    export_format: str = option("dense", OUTPUT, "--export-hf's weights: dense = the model's dtype (a config.json "
+                                "without quantization_config); fp8 = the tensors the FP8 --hf-dir stores in "
+                                "block-FP8 requantised to its layout, the error vs the dense merge said at the end",
+                                choices=EXPORT_FORMATS)  # fmt: skip
     export_adapter: str | None = option(None, OUTPUT, "a LoRA run: write its adapters as a PEFT adapter at the end "
                                         "(adapter_config.json + adapter_model.safetensors, transformers' glm5_next "
                                         "module names); refused if it exists and is not empty, unless --force")  # fmt: skip

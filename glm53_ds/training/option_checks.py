@@ -151,6 +151,10 @@ def check_output_paths(config: TrainConfig) -> None:
     """Where this run writes, checked before any work (safe_io.check_output_dir): nothing it writes may land
     in an input, the checkout, `.`, or over a non-empty export target without --force."""
     inputs = {"--hf-dir": config.hf_dir, "--load": config.load}
+    if config.export_format != "dense" and not config.export_hf:
+        raise ValueError(
+            f"--export-format {config.export_format}: the format of --export-hf, which is not given"
+        )
     try:
         # an export inside the output directory is what users expect (runs/x/hf), not the output directory itself
         # nor one around it

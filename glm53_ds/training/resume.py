@@ -16,6 +16,8 @@ import torch
 from ..checkpoint import CheckpointDir
 from ..checkpoint.base_weights import HF, NATIVE, base_record, check_base, describe_base
 from ..checkpoint.publish import shared_checksums
+from ..config import Glm53Config
+from .base_quant import BaseQuant, announce_resume, resolve_base_quant
 from .config import SetupError, TrainConfig
 from .model_converters import LoraAdapters
 from .run_plan import RunPlan, agreed, or_setup_error
@@ -36,6 +38,8 @@ class ResumeChecks:
     base: dict[str, Any] | None
     weights_dir: str | None
     base_checkpoint: tuple[str, str] | None
+    base_quant: BaseQuant
+    cfg: Glm53Config
     stream: DataStream | None
     valid: DataStream | None
     start_step: int
@@ -121,6 +125,21 @@ class ResumeChecks:
             else:
                 self.base_checkpoint = (given["path"], given["tag"])
         self.base = given
+
+    def _resolve_base_quant(self) -> None:
+        """--base-quant against the weights the run starts from (after `_find_base`: a resume's recorded base),
+        said in one line and recorded with the base; a resume keeping it another way is announced."""
+        c = self.config
+        self.base_quant = agreed(lambda: resolve_base_quant(c, self.cfg, self.weights_dir,
+                                                            self.cfg.num_nextn_predict_layers > 0))  # fmt: skip
+        if self.base_quant.line:
+            self._say(self.base_quant.line)
+        if c.load and self.adapters is not None and not self.base_only:
+            notice = announce_resume(self.saved_state().base, self.base_quant)
+            if notice:
+                self._say(notice)
+        if self.base is not None:
+            self.base = {**self.base, "kept": self.base_quant.kept}
 
     def _base_source(self) -> tuple[str, str, str | None, dict[str, Any] | None, str] | None:
         """(kind, path, tag, the record to check it against or None, the option that gave it) of a LoRA run's base;

@@ -63,4 +63,7 @@ def select_trainable(
         what += (
             "; " if what else ""
         ) + f"{len(others)} other tensors ({sum(p.numel() for p in others):,} parameters)"
-    return f"trains {what}; frozen {frozen:,} parameters"
+    fp8 = sum(getattr(m, k).numel() for m in model.modules() for k in getattr(m, "block_fp8_layouts", {}))
+    return f"trains {what}; frozen {frozen:,} parameters" + (
+        f" and {fp8:,} weights in block-FP8" if fp8 else ""
+    )

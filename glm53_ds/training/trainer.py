@@ -48,6 +48,7 @@ from ..parallel.replicas import check_replicas
 from ..safe_io import DirectoryLock, DiskFull
 from ..transformer_config import make_transformer_config
 from .args import build_parser
+from .base_quant import BaseQuant
 from .config import SetupError, TrainConfig
 from .data import DataStream, is_chat_source, load_tokenizer, open_stream
 from .epochs import epoch_steps, validation_line
@@ -94,6 +95,7 @@ class Trainer(ResumeChecks, TrainSteps):
         self.weights_dir = config.hf_dir  # released-layout weights the model is built from
         # a native base an adapter checkpoint resumes over
         self.base_checkpoint: tuple[str, str] | None = None
+        self.base_quant = BaseQuant()  # --base-quant, resolved in setup()
         self._plan: RunPlan | None = None  # set in setup()
         self.consumed = 0  # samples of the run read so far (the data position checkpoints store)
         self.last_saved: str | None = None
@@ -155,6 +157,7 @@ class Trainer(ResumeChecks, TrainSteps):
             self.base_only = or_setup_error(self._adapters_against_load, alike=True)
         if self.adapters is not None:
             self._find_base()
+        self._resolve_base_quant()  # before any expensive work: its refusals
         if self.base_checkpoint is not None:  # a native base: checked whole before anything of it is read
             base_dir, base_tag = self.base_checkpoint
             or_setup_error(lambda: verify_checkpoint(base_dir, base_tag), alike=True)
@@ -300,7 +303,9 @@ class Trainer(ResumeChecks, TrainSteps):
         c, cfg = self.config, self.cfg
         assert self.layout is not None
         dtype = torch.bfloat16 if self.plan.bf16 else torch.float32
-        tconfig = make_transformer_config(cfg, dtype=dtype, **c.transformer_overrides())
+        tconfig = make_transformer_config(
+            cfg, dtype=dtype, **c.transformer_overrides(), **self.base_quant.transformer_fields()
+        )
         torch.manual_seed(c.seed)
         use_mtp = cfg.num_nextn_predict_layers > 0
         checkpoint = SafetensorsCheckpoint(self.weights_dir) if self.weights_dir else None
@@ -417,9 +422,12 @@ class Trainer(ResumeChecks, TrainSteps):
             if os.path.getsize(self.writer.path):
                 plot_loss(self.writer.path, os.path.join(c.output_dir, "loss.png"))
         if c.export_hf:
-            export_engine_to_hf(self.engine, self.cfg, c.export_hf, template=c.hf_dir, force=c.force,
-                                tokenizer=c.tokenizer)  # fmt: skip
-            self._say(f"exported {c.export_hf} (transformers layout, step {c.train_iters})")
+            fp8_like = self.weights_dir if c.export_format == "fp8" else None
+            requantised = export_engine_to_hf(self.engine, self.cfg, c.export_hf, template=c.hf_dir, force=c.force,
+                                              tokenizer=c.tokenizer, fp8_like=fp8_like)  # fmt: skip
+            weights = f"block-FP8 as released, {requantised}" if requantised else (
+                ("bf16" if self.plan.bf16 else "fp32") + ", dense" + (", LoRA merged" if c.lora_rank else ""))  # fmt: skip
+            self._say(f"exported {c.export_hf} (transformers layout, {weights}, step {c.train_iters})")
         if c.export_adapter:
             notices = or_setup_error(lambda: export_engine_to_peft(self.engine, str(c.export_adapter), force=c.force),
                                       alike=True)  # fmt: skip

@@ -4,6 +4,7 @@ transformers loading the export, glm53_ds loading the native layout, FP8 import,
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -130,6 +131,9 @@ def _fp8_copy(src, dst, bad_scale: bool = False) -> dict[str, torch.Tensor]:
                     ref[i, j] = q[i, j].float() * s[i // 128, j // 128] if not bad_scale else 0
             expected[name] = ref
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (dst / "config.json").write_text(json.dumps(config))
     return expected
 
 

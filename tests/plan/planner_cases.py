@@ -43,6 +43,16 @@ CASES: dict[str, tuple[str, ...]] = {
     "lora 32k ep8 sp8": _released(8, 8, 1, 8, 32768, *_LORA),
     "lora 64k ep8 sp8 offload": _released(8, 8, 1, 8, 65536, *_LORA, "--offload-activations"),
     "lora 128k ep8 sp8 offload": _released(8, 8, 1, 8, 131072, *_LORA, "--offload-activations"),
+    # docs/usage.md, "LoRA on the FP8 download": the base resident in block-FP8 (--base-quant fp8)
+    "lora 32k ep8 sp8 fp8": _released(8, 8, 1, 8, 32768, *_LORA, "--base-quant", "fp8"),
+    "lora 128k ep8 sp8 fp8": _released(8, 8, 1, 8, 131072, *_LORA, "--base-quant", "fp8"),
+    "lora 128k ep8 sp8 fp8 offload tiles": _released(
+        8, 8, 1, 8, 131072, *_LORA, "--base-quant", "fp8", "--offload-activations", "--moe-tile-mib", "1024"
+    ),  # fmt: skip
+    "lora 32k h100 8 fp8": _released(8, 8, 1, 8, 32768, *_LORA, "--base-quant", "fp8", *_H100),
+    "lora 32k h100 8 fp8 offload": _released(
+        8, 8, 1, 8, 32768, *_LORA, "--base-quant", "fp8", "--offload-activations", *_H100
+    ),  # fmt: skip
     # docs/usage.md, "Will it fit?": the searched rows' layouts
     "full 8k h200 64": _released(64, 32, 2, 4, 8192, *_FULL, "--recompute", "full"),
     "full 8k h200 64 sp8 offload": _released(
@@ -111,7 +121,7 @@ CASES: dict[str, tuple[str, ...]] = {
 
 # Runs that do not fit whose hints (a trace for each change tried: 15-45 s each) the check leaves out; their numbers
 # are compared, and the hints of the other runs that do not fit are.
-WITHOUT_HINTS = ("lora 32k ep8", "lora 32k ep8 offload", "lora 32k ep8 offload tiles")
+WITHOUT_HINTS = ("lora 32k ep8", "lora 32k ep8 offload", "lora 32k ep8 offload tiles", "lora 32k h100 8 fp8")
 
 
 def numbers(argv: tuple[str, ...], hints: bool = True) -> dict:

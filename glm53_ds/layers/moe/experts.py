@@ -34,6 +34,15 @@ from torch import nn
 from ... import backends, host_reads
 from ...parallel.expert_shard import ExpertShard, balanced_split
 from ...transformer_config import Glm53TransformerConfig
+from ..block_fp8 import (
+    ROUTED,
+    BlockFp8Weight,
+    BlockLayout,
+    Piece,
+    block_fp8_linear,
+    block_fp8_weight,
+    register_block_fp8,
+)
 from ..lora import GroupedLora
 from .token_permutation import RoutedTokens
 
@@ -96,6 +105,27 @@ class _GroupedSwiGLU(torch.autograd.Function):
         return d_rows, d_gate_up, d_down, None, None
 
 
+class _BlockFp8SwiGLU(torch.autograd.Function):
+    """`_GroupedSwiGLU` over frozen block-FP8 weights (layers/block_fp8.py): the same products in the same order
+    (so the same values as the dequantised model's), no weight gradients; keeps only h [N, 2I] (and offs)."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, offs: torch.Tensor, gate_up: BlockFp8Weight, down: BlockFp8Weight,
+                limit: float | None) -> torch.Tensor:  # fmt: skip
+        h = gate_up.grouped_mm(rows, offs, transpose=True)  # [N, 2I]
+        ctx.save_for_backward(offs, h)
+        ctx.weights, ctx.limit = (gate_up, down), limit  # module buffers, alive anyway
+        return down.grouped_mm(_clamped_swiglu(h, limit).contiguous(), offs, transpose=True)  # [N, D]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        offs, h = ctx.saved_tensors
+        gate_up, down = ctx.weights
+        d_act = down.grouped_mm(grad.contiguous(), offs, transpose=False)  # [N, I]
+        d_h = _clamped_swiglu_backward(h, d_act, ctx.limit).contiguous()  # [N, 2I]
+        return gate_up.grouped_mm(d_h, offs, transpose=False), None, None, None, None
+
+
 class _GroupedLinear(torch.autograd.Function):
     """rows [N, in] sorted by expert, weight [E, out, in], offs int32 [E] -> rows through their expert's weight
     [N, out]; the weight's gradient only when it needs one (a frozen base weight has none)."""
@@ -136,17 +166,32 @@ class GroupedExperts(nn.Module):
         self.swiglu_limit = cfg.swiglu_limit
         self.moe_impl = config.moe_impl
         dtype = config.params_dtype
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(self.num_local_experts, 2 * self.intermediate, cfg.hidden_size, dtype=dtype)
-        )
-        self.down_proj = nn.Parameter(
-            torch.empty(self.num_local_experts, cfg.hidden_size, self.intermediate, dtype=dtype)
-        )
-        nn.init.normal_(self.gate_up_proj, mean=0.0, std=cfg.initializer_range)
-        nn.init.normal_(self.down_proj, mean=0.0, std=cfg.initializer_range)
-        self.gate_up_proj.allreduce = False  # type: ignore[attr-defined]
-        self.down_proj.allreduce = False  # type: ignore[attr-defined]
+        self.block_fp8 = ROUTED in config.block_fp8_modules
+        if self.block_fp8:  # the frozen base kept as stored (layers/block_fp8.py); loaded, never initialised
+            self._register_block_fp8(config, cfg.hidden_size)
+        else:
+            self.gate_up_proj = nn.Parameter(
+                torch.empty(self.num_local_experts, 2 * self.intermediate, cfg.hidden_size, dtype=dtype)
+            )
+            self.down_proj = nn.Parameter(
+                torch.empty(self.num_local_experts, cfg.hidden_size, self.intermediate, dtype=dtype)
+            )
+            nn.init.normal_(self.gate_up_proj, mean=0.0, std=cfg.initializer_range)
+            nn.init.normal_(self.down_proj, mean=0.0, std=cfg.initializer_range)
+            self.gate_up_proj.allreduce = False  # type: ignore[attr-defined]
+            self.down_proj.allreduce = False  # type: ignore[attr-defined]
+        self.compute_dtype = dtype
         self.lora: GroupedLora | None = None  # LoRA adapters (`layers/lora_targets.py`)
+
+    def _register_block_fp8(self, config: Glm53TransformerConfig, hidden: int) -> None:
+        """gate_up [E_l, 2I_l, D]: this ETP rank's rows of the stored gate then up [I, D] tensors; down [E_l, D,
+        I_l]: its columns of the stored down [D, I]."""
+        block, mine = config.block_fp8_block, Piece(self.shard.rows.start, self.intermediate)
+        whole = Piece(0, hidden)
+        register_block_fp8(
+            self, "gate_up_proj", self.num_local_experts, BlockLayout((mine, mine), (whole,), block)
+        )
+        register_block_fp8(self, "down_proj", self.num_local_experts, BlockLayout((whole,), (mine,), block))
 
     def impl(self, dtype: torch.dtype) -> str:
         """The backend `moe_impl` means for activations of `dtype`."""
@@ -174,6 +219,9 @@ class GroupedExperts(nn.Module):
         offs = counts.cumsum(0).to(torch.int32)
         if self.lora is not None:
             return self._grouped_with_lora(rows, offs, self.lora)
+        if self.block_fp8:
+            gate_up, down = block_fp8_weight(self, "gate_up_proj"), block_fp8_weight(self, "down_proj")
+            return _BlockFp8SwiGLU.apply(rows.contiguous(), offs, gate_up, down, self.swiglu_limit)
         return _GroupedSwiGLU.apply(
             rows.contiguous(), self.gate_up_proj, self.down_proj, offs, self.swiglu_limit
         )
@@ -182,15 +230,20 @@ class GroupedExperts(nn.Module):
         """`ffn` with adapters: W x + s B A x for gate_up and for down, each a grouped GEMM."""
         s = lora.scale
         gate_up_a, down_b = lora.replicated(lora.gate_up_A), lora.replicated(lora.down_B)
-        h = _grouped_linear(rows, self.gate_up_proj, offs)  # [N, 2I_l]
+        h = self._base(rows, "gate_up_proj", offs)  # [N, 2I_l]
         h = h + s * _grouped_linear(_grouped_linear(lora.drop(rows), gate_up_a, offs), lora.gate_up_B, offs)
         act = _clamped_swiglu(h, self.swiglu_limit)  # [N, I_l]
-        out = _grouped_linear(act, self.down_proj, offs)  # [N, D]
+        out = self._base(act, "down_proj", offs)  # [N, D]
         return out + s * _grouped_linear(_grouped_linear(lora.drop(act), lora.down_A, offs), down_b, offs)
+
+    def _base(self, rows: torch.Tensor, name: str, offs: torch.Tensor) -> torch.Tensor:
+        if self.block_fp8:
+            return block_fp8_linear(rows, offs, block_fp8_weight(self, name))
+        return _grouped_linear(rows, getattr(self, name), offs)
 
     def expert_ffn(self, local_expert: int, x: torch.Tensor) -> torch.Tensor:
         """The reference: one expert's (slice of its) FFN on its tokens x [n, D] -> [n, D]."""
-        h = F.linear(x, self.gate_up_proj[local_expert])
+        h = self._expert_linear(x, "gate_up_proj", local_expert)
         if self.lora is not None:
             h = h + self.lora.expert_delta("gate_up", local_expert, x)
         gate, up = h.chunk(2, dim=-1)
@@ -198,8 +251,16 @@ class GroupedExperts(nn.Module):
             gate = gate.clamp(max=self.swiglu_limit)
             up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
         act = F.silu(gate) * up
-        out = F.linear(act, self.down_proj[local_expert])
+        out = self._expert_linear(act, "down_proj", local_expert)
         return out if self.lora is None else out + self.lora.expert_delta("down", local_expert, act)
+
+    def _expert_linear(self, x: torch.Tensor, name: str, local_expert: int) -> torch.Tensor:
+        if not self.block_fp8:
+            return F.linear(x, getattr(self, name)[local_expert])
+        w = block_fp8_weight(self, name)
+        one = BlockFp8Weight(w.data[local_expert : local_expert + 1], w.scale[local_expert : local_expert + 1],
+                             w.row_block, w.col_block)  # fmt: skip
+        return block_fp8_linear(x, torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device), one)
 
     def _loop(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # shape-only (plan/): the load the router's bias steers towards

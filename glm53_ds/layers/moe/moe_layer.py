@@ -17,6 +17,7 @@ from ...parallel.expert_shard import ExpertShard
 from ...parallel.moe_dispatch import ExpertParallelDispatch
 from ...parallel.sequence import SequenceParallel
 from ...transformer_config import Glm53TransformerConfig
+from ..block_fp8 import SHARED, compute_like, mlp_linears
 from ..forward_record import current_record
 from ..token_tiles import over_token_tiles, tile_rows
 from .experts import GroupedExperts
@@ -58,9 +59,10 @@ class Glm53MoE(nn.Module):
             # (as megatron's SharedExpertMLP does).
             shared_config = copy.copy(config)
             shared_config.ffn_hidden_size = cfg.moe_intermediate_size * cfg.n_shared_experts
+            fc1, fc2 = mlp_linears(config, SHARED) or (ColumnParallelLinear, RowParallelLinear)
             self.shared_experts = MLP(
                 shared_config,
-                MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2),
                 ffn_hidden_size=shared_config.ffn_hidden_size,
             )
         # Per-expert token counts of this rank's tokens, accumulated over training forwards until the load
@@ -122,7 +124,9 @@ class Glm53MoE(nn.Module):
         if not self.tile_bytes:
             return 2**62
         d, i = self.experts.gate_up_proj.shape[-1], self.experts.intermediate
-        per_token = self.router.top_k * (2 * d + 3 * i) * self.experts.gate_up_proj.element_size()
+        # the activations' bytes (a weight kept in block-FP8 is 1 byte, its activations are the model's dtype)
+        activation_bytes = compute_like(self.experts, self.experts.gate_up_proj).element_size()
+        per_token = self.router.top_k * (2 * d + 3 * i) * activation_bytes
         return max(1, self.tile_bytes // per_token)
 
     def _tiled(self, tokens: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
