@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ..checkpoint import (
     CLIENT_STATE,
@@ -50,6 +51,7 @@ from ..checkpoint.publish import from_rank0, gather
 from ..config import Glm53Config
 from ..convert.export_adapter import native_to_peft
 from ..convert.export_hf import Fp8Requantiser, native_to_hf
+from ..layers.block_fp8 import block_fp8_left_out, block_fp8_state_names, is_block_fp8
 from ..layers.lora import is_lora_param, merged_state_dict
 from ..safe_io import disk_full_said, new_temp_dir
 from .deepspeed_internals import (
@@ -192,7 +194,8 @@ def _write_portable_optimizer(engine: Glm53Engine, root: str, places: dict[str, 
 def _first_non_finite(model: Any) -> str | None:
     """The first tensor of the model's state (parameters, buffers: the fp32-kept ones too) holding inf / NaN on any
     rank, as `name (rank R)`, or None. Collective: one host read per rank and one gather."""
-    named = [(n, t) for n, t in model.state_dict().items() if t is not None and t.is_floating_point()]
+    named = [(n, t) for n, t in model.state_dict().items()
+             if t is not None and t.is_floating_point() and not is_block_fp8(t)]  # FP8: a frozen base as loaded  # fmt: skip
     bad = None
     if named:
         flags = torch.stack([~torch.isfinite(t).all() for _, t in named]).nonzero()  # the one host read
@@ -202,10 +205,10 @@ def _first_non_finite(model: Any) -> str | None:
 
 def frozen_base(engine: Glm53Engine) -> set[str]:
     """The state-dict names of the frozen parameters (a LoRA run's base), HF's fp32-kept ones of a bf16 engine
-    (buffers there) included."""
+    (buffers there) and a base kept in block-FP8 (buffers: the FP8 weights and their scales) included."""
     frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
     side = engine.fp32_params
-    return frozen | set(side.frozen if side is not None else ())
+    return frozen | set(side.frozen if side is not None else ()) | block_fp8_state_names(engine.module)
 
 
 def save_checkpoint(
@@ -227,8 +230,9 @@ def save_checkpoint(
                               "(nothing was written; 'latest' is unchanged)")  # fmt: skip
     staged = StagedTag.begin(save_dir, tag)
     with disk_full_said(save_dir, staged.staged, f"the save of {tag}"):
-        engine.ds.save_checkpoint(save_dir, tag=staged.staging, client_state=client_state or {}, save_latest=False,
-                                  exclude_frozen_parameters=adapters_only)  # fmt: skip
+        with block_fp8_left_out(engine.module):  # DeepSpeed's model file: a frozen base in FP8 is buffers
+            engine.ds.save_checkpoint(save_dir, tag=staged.staging, client_state=client_state or {},
+                                      save_latest=False, exclude_frozen_parameters=adapters_only)  # fmt: skip
         root = staged.model_dir
         os.makedirs(root, exist_ok=True)
         places = model_placements(engine)
@@ -272,6 +276,12 @@ def check_checkpoint_fits(
     return ckpt.meta
 
 
+def _model_from_glm53_files(src: dict[str, Any], dst: nn.Module) -> None:
+    """DeepSpeed's module load, skipped: the model comes from glm53_ds's files (checked against the model, read
+    by name and placement), never from DeepSpeed's copy, whose tensors another model could take by name alone
+    (a base kept in block-FP8 there, dense here: raw FP8 values copied into dense weights)."""
+
+
 def load_checkpoint(
     engine: Glm53Engine, load_dir: str, tag: str | None = None, verify: bool = True, model_only: bool = False,
     keep: Callable[[str], bool] | None = None,
@@ -305,7 +315,8 @@ def load_checkpoint(
             weights_only_loads(),
         ):  # the model comes from glm53's files below
             _, client_state = engine.ds.load_checkpoint(load_dir, tag=tag, load_module_strict=False,
-                                                        load_optimizer_states=True, load_lr_scheduler_states=True)  # fmt: skip
+                                                        load_optimizer_states=True, load_lr_scheduler_states=True,
+                                                        custom_load_fn=_model_from_glm53_files)  # fmt: skip
 
     # the model: every tensor of the state dict (buffers too), this rank's placement
     places = model_placements(engine)

@@ -19,7 +19,8 @@ Implementations: the torch reference (any device; an expert's weight is its tile
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,6 +193,31 @@ def block_fp8_weight(module: nn.Module, name: str) -> BlockFp8Weight:
     return BlockFp8Weight(
         data, scale, getattr(module, f"{name}_row_block"), getattr(module, f"{name}_col_block")
     )
+
+
+def block_fp8_state_names(model: nn.Module) -> set[str]:
+    """The state-dict names of `model`'s block-FP8 weights and their scales (a frozen base: never checkpointed)."""
+    return {
+        f"{prefix}{'.' if prefix else ''}{name}{suffix}"
+        for prefix, module in model.named_modules()
+        for name in module.__dict__.get("block_fp8_layouts", {})
+        for suffix in ("", "_scale_inv")
+    }
+
+
+@contextmanager
+def block_fp8_left_out(model: nn.Module) -> Iterator[None]:
+    """`model.state_dict()` without its block-FP8 weights and scales while inside (a frozen base, reloaded from its
+    source: a checkpoint's model files must not carry it, nor a copy another run could load as dense values)."""
+    marked = [(module, f"{name}{suffix}") for module in model.modules()
+              for name in module.__dict__.get("block_fp8_layouts", {}) for suffix in ("", "_scale_inv")]  # fmt: skip
+    for module, name in marked:
+        module._non_persistent_buffers_set.add(name)
+    try:
+        yield
+    finally:
+        for module, name in marked:
+            module._non_persistent_buffers_set.discard(name)
 
 
 def is_block_fp8(tensor: torch.Tensor) -> bool:

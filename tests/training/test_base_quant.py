@@ -89,3 +89,25 @@ def test_what_cannot_be_kept_in_fp8_is_refused_in_one_line(tmp_path, releases):
                           "fp8", *out))  # fmt: skip
     assert "--export-format fp8" in error and "no weights in block-FP8" in error
     assert not (tmp_path / "x").exists()
+
+
+def test_a_resume_keeping_the_base_another_way_is_announced_and_continues_exactly(tmp_path, releases):
+    _, fp8 = releases
+    _ok(run("--hf-dir", fp8, *BASE, *LORA, "--save", str(tmp_path / "ck"), "--save-interval", "2", "--output-dir",
+            str(tmp_path / "a")))  # fmt: skip
+    said = _ok(run("--hf-dir", fp8, *BASE, *LORA, "--load", str(tmp_path / "ck"), "--load-tag", "step2",
+                   "--base-quant", "none", "--save", str(tmp_path / "ck2"), "--output-dir", str(tmp_path / "b")))  # fmt: skip
+    assert ("--base-quant: the checkpoint's run kept its base block-fp8, this run keeps it dense (the same values: "
+            "the dequantised base's)") in said  # fmt: skip
+    # an adapter checkpoint: the base kept in FP8 is reloaded from its source, never saved (before: every rank's
+    # FP8 experts in it, which DeepSpeed's load then copied, raw, into the dense weights of a `none` resume)
+    from safetensors import safe_open
+
+    for file in (tmp_path / "ck" / "step2" / "glm53").glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            assert not [k for k in f.keys() if "scale_inv" in k or "float8" in str(f.get_slice(k).get_dtype()).lower()
+                        or f.get_slice(k).get_dtype() == "F8_E4M3"], file  # fmt: skip
+    # the same values: step 3 after the resume is the uninterrupted run's step 3, bitwise
+    assert [r["lm_loss"] for r in metrics(tmp_path / "b")] == [r["lm_loss"] for r in metrics(tmp_path / "a")][
+        2:
+    ]
