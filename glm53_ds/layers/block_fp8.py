@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..parallel.params import EXPERT_BUFFERS
 from .fused_kernels import FusedKernel, register
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -177,6 +178,10 @@ def register_block_fp8(module: nn.Module, name: str, experts: int, layout: Block
     module.register_buffer(f"{name}_col_block", col_block.to(device), persistent=False)
     layouts = module.__dict__.setdefault("block_fp8_layouts", {})
     layouts[name] = layout
+    if (
+        experts
+    ):  # routed experts: sharded over EP x ETP like expert parameters (parallel/params.expert_buffer_names)
+        module.__dict__.setdefault(EXPERT_BUFFERS, set()).update((name, f"{name}_scale_inv"))
 
 
 def block_fp8_layout(module: nn.Module, name: str) -> BlockLayout:

@@ -1,7 +1,7 @@
 """`check_replicas(model, layout)`: are replicated parameters and buffers still identical across replicas?
 
 Replica groups: non-expert tensors -> the whole world; expert tensors (`allreduce == False`) -> the
-expert-data-parallel group (ranks holding the same expert shard); expert tensors whole on every ETP rank of their
+expert-data-parallel group (ranks holding the same expert shard; routed experts kept in block-FP8 too); expert tensors whole on every ETP rank of their
 shard (`etp_replicated`: LoRA's `gate_up_A` / `down_B`) -> the ETP group too. A float64 checksum per tensor (sum and sum
 of squares) is all-gathered; on any mismatch the max elementwise difference of each offending tensor is
 computed and a `ReplicaMismatch` names them.
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .layout import ParallelLayout
-from .params import is_expert_param
+from .params import expert_buffer_names, is_expert_param
 
 
 class ReplicaMismatch(RuntimeError):
@@ -23,10 +23,11 @@ class ReplicaMismatch(RuntimeError):
 
 def _tensors(model: nn.Module, experts: bool) -> list[tuple[str, torch.Tensor]]:
     out = []
+    expert_buffers = expert_buffer_names(model)  # routed experts kept in block-FP8: buffers, sharded
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if name.endswith("expert_load"):  # per-rank token counts by design
             continue
-        if is_expert_param(t) == experts:
+        if (is_expert_param(t) or name in expert_buffers) == experts:
             out.append((name, t))
     return out
 

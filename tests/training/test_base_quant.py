@@ -111,3 +111,41 @@ def test_a_resume_keeping_the_base_another_way_is_announced_and_continues_exactl
     assert [r["lm_loss"] for r in metrics(tmp_path / "b")] == [r["lm_loss"] for r in metrics(tmp_path / "a")][
         2:
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [("--ep", "2", "--sp", "2"), ("--etp", "2")], ids=["ep2-sp2", "etp2"])
+def test_two_ranks_train_the_single_process_curve_and_resume_on_one(tmp_path, releases, layout):
+    """The FP8 base at EP 2 x SP 2 (each row split over both ranks, the experts sharded over the same two) or
+    ETP 2 (each expert's rows split, blocks cut inside) gives the single-process dequantised run's losses, the
+    replicas checked every step; its checkpoint resumes on one rank (another layout), FP8 kept."""
+    from tests.cli import deepspeed_run
+
+    _, fp8 = releases
+    common = [
+        *BASE,
+        *LORA,
+        "--hf-dir",
+        fp8,
+        "--lr",
+        "1e-2",
+        "--check-replicas-interval",
+        "1",
+        "--micro-batch-size",
+        "1",
+    ]
+    proc = deepspeed_run(2, *common, *layout, "--save", str(tmp_path / "ck"), "--save-interval", "2",
+                         "--output-dir", str(tmp_path / "a"))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "kept in block-FP8 16x16 as stored" in proc.stdout + proc.stderr
+    one = _ok(run(*common, "--base-quant", "none", "--output-dir", str(tmp_path / "one")))
+    assert "dequantised at load" in one
+    for x, y in zip(metrics(tmp_path / "a"), metrics(tmp_path / "one"), strict=True):
+        assert abs(x["lm_loss"] - y["lm_loss"]) <= 1e-5 * abs(y["lm_loss"]), (x, y)
+    _ok(run(*common, "--load", str(tmp_path / "ck"), "--load-tag", "step2", "--save", str(tmp_path / "ck1"),
+            "--output-dir", str(tmp_path / "b")))  # fmt: skip
+    (x,), (y,) = metrics(tmp_path / "b"), metrics(tmp_path / "a")[2:]
+    assert x["step"] == y["step"] == 3 and abs(x["lm_loss"] - y["lm_loss"]) <= 1e-5 * abs(y["lm_loss"]), (
+        x,
+        y,
+    )
