@@ -421,6 +421,7 @@ class Trainer(ResumeChecks, TrainSteps):
             self.writer.close()
             if os.path.getsize(self.writer.path):
                 plot_loss(self.writer.path, os.path.join(c.output_dir, "loss.png"))
+        exports: list[str] = []  # what the end summary names, each with what it holds
         if c.export_hf:
             fp8_like = self.weights_dir if c.export_format == "fp8" else None
             requantised = export_engine_to_hf(self.engine, self.cfg, c.export_hf, template=c.hf_dir, force=c.force,
@@ -428,6 +429,7 @@ class Trainer(ResumeChecks, TrainSteps):
             weights = f"block-FP8 as released, {requantised}" if requantised else (
                 ("bf16" if self.plan.bf16 else "fp32") + ", dense" + (", LoRA merged" if c.lora_rank else ""))  # fmt: skip
             self._say(f"exported {c.export_hf} (transformers layout, {weights}, step {c.train_iters})")
+            exports.append(f"{c.export_hf} ({weights})")
         if c.export_adapter:
             notices = or_setup_error(lambda: export_engine_to_peft(self.engine, str(c.export_adapter), force=c.force),
                                       alike=True)  # fmt: skip
@@ -435,7 +437,7 @@ class Trainer(ResumeChecks, TrainSteps):
                 self._say(f"--export-adapter: {notice}")
             self._say(f"exported {c.export_adapter} (PEFT LoRA adapter of transformers' glm5_next, step "
                       f"{c.train_iters})")  # fmt: skip
-        exports = [path for path in (c.export_hf, c.export_adapter) if path]
+        exports += [c.export_adapter] if c.export_adapter else []
         self._say(self.report.summary(c.output_dir, self.last_saved, exports, plot=self.writer is not None))
 
     def run(self) -> dict[str, Any]:

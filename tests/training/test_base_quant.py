@@ -65,6 +65,10 @@ def test_fp8_resident_trains_as_the_dequantised_base_and_exports_either_way(tmp_
     said = re.search(r"block-FP8 as released, (\d+) tensors requantised to block-FP8 16x16: relative error vs the "
                      r"dense merge (\S+) overall", requantised)  # fmt: skip
     assert said and int(said.group(1)) > 0 and 0 < float(said.group(2)) < 0.1, requantised[-2000:]
+    summary = [line for line in requantised.splitlines() if line.startswith("run: ")]
+    assert summary and "exported " in summary[-1] and "relative error vs the dense merge" in summary[-1], (
+        summary
+    )
     config = json.loads((tmp_path / "fp8_export" / "config.json").read_text())
     assert config["quantization_config"]["weight_block_size"] == [16, 16]
     from glm53_ds.convert.import_hf import HFSource
