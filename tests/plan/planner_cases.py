@@ -121,7 +121,13 @@ CASES: dict[str, tuple[str, ...]] = {
 
 # Runs that do not fit whose hints (a trace for each change tried: 15-45 s each) the check leaves out; their numbers
 # are compared, and the hints of the other runs that do not fit are.
-WITHOUT_HINTS = ("lora 32k ep8", "lora 32k ep8 offload", "lora 32k ep8 offload tiles", "lora 32k h100 8 fp8")
+WITHOUT_HINTS = (
+    "lora 16k ep8",
+    "lora 32k ep8",
+    "lora 32k ep8 offload",
+    "lora 32k ep8 offload tiles",
+    "lora 32k h100 8 fp8",
+)
 
 
 def numbers(argv: tuple[str, ...], hints: bool = True) -> dict:
