@@ -200,22 +200,24 @@ def block_fp8_weight(module: nn.Module, name: str) -> BlockFp8Weight:
     )
 
 
+def _block_fp8_buffers(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
+    """(module name, module, buffer name) of every block-FP8 weight of `model` and of its scales."""
+    for prefix, module in model.named_modules():
+        for name in module.__dict__.get("block_fp8_layouts", {}):
+            for suffix in ("", "_scale_inv"):
+                yield prefix, module, f"{name}{suffix}"
+
+
 def block_fp8_state_names(model: nn.Module) -> set[str]:
     """The state-dict names of `model`'s block-FP8 weights and their scales (a frozen base: never checkpointed)."""
-    return {
-        f"{prefix}{'.' if prefix else ''}{name}{suffix}"
-        for prefix, module in model.named_modules()
-        for name in module.__dict__.get("block_fp8_layouts", {})
-        for suffix in ("", "_scale_inv")
-    }
+    return {f"{prefix}{'.' if prefix else ''}{name}" for prefix, _, name in _block_fp8_buffers(model)}
 
 
 @contextmanager
 def block_fp8_left_out(model: nn.Module) -> Iterator[None]:
     """`model.state_dict()` without its block-FP8 weights and scales while inside (a frozen base, reloaded from its
     source: a checkpoint's model files must not carry it, nor a copy another run could load as dense values)."""
-    marked = [(module, f"{name}{suffix}") for module in model.modules()
-              for name in module.__dict__.get("block_fp8_layouts", {}) for suffix in ("", "_scale_inv")]  # fmt: skip
+    marked = [(module, name) for _, module, name in _block_fp8_buffers(model)]
     for module, name in marked:
         module._non_persistent_buffers_set.add(name)
     try:

@@ -97,22 +97,12 @@ def grouped_mm(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, row_blo
         raise ValueError(f"the block-FP8 kernel reads float8_e4m3fn weights, got {data.dtype}")
     e = data.shape[0]
     # W^T [k, o] = W [o, k]: k runs along W's columns (the column blocks), o along its rows
-    if transpose:
-        k_size, o_size, k_block, o_block = data.shape[2], data.shape[1], col_block, row_block
-        stride_wk, stride_wo, stride_sk, stride_so = (
-            data.stride(2),
-            data.stride(1),
-            scale.stride(2),
-            scale.stride(1),
-        )
-    else:
-        k_size, o_size, k_block, o_block = data.shape[1], data.shape[2], row_block, col_block
-        stride_wk, stride_wo, stride_sk, stride_so = (
-            data.stride(1),
-            data.stride(2),
-            scale.stride(1),
-            scale.stride(2),
-        )
+    k_axis, o_axis = (2, 1) if transpose else (1, 2)
+    k_block, o_block = (col_block, row_block) if transpose else (row_block, col_block)
+    k_size, o_size = data.shape[k_axis], data.shape[o_axis]
+    stride_wk, stride_wo, stride_sk, stride_so = (
+        data.stride(k_axis), data.stride(o_axis), scale.stride(k_axis), scale.stride(o_axis)
+    )  # fmt: skip
     if x.shape[1] != k_size:
         raise ValueError(f"block-FP8 GEMM: rows of {x.shape[1]} features for a weight of {k_size}")
     out = torch.empty(x.shape[0], o_size, dtype=x.dtype, device=x.device)
