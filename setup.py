@@ -14,6 +14,8 @@ setup(
         "megatron-core>=0.16.1,<0.20",
         "deepspeed==0.19.8",
         "transformers==5.23.0",
+        # --data reads Hugging Face datasets (parquet, Arrow, shard folders, the local hub cache) through it
+        "datasets==5.2.0",
         "safetensors",
         "numpy",
         "packaging",

@@ -110,19 +110,31 @@ class TrainConfig:
                      "ranks, attention heads over the same ranks (Ulysses); must divide --seq-length and both "
                      "attention head counts (docs/parallelism.md)", plan=SEARCHED, least=1)  # fmt: skip
     # ---- data
-    data: tuple[str, ...] = option((DEFAULT_DATA,), DATA, "one or more sources, each PATH or PATH:WEIGHT: an "
-                                   "indexed dataset prefix (.bin/.idx), .jsonl or .txt; a .jsonl of chat "
-                                   "conversations ('messages' with system/user/assistant/tool turns, ShareGPT "
-                                   "'conversations', Alpaca 'instruction' + 'output', or 'prompt' + 'completion') "
-                                   "trains on assistant tokens, packed. Several are mixed by weight (a:3 b:1: 75%% "
-                                   "of the samples from a), each in its own shape; an epoch is as many samples as "
-                                   "they hold together (default: data/tiny_corpus.txt)")  # fmt: skip
+    data: tuple[str, ...] = option((DEFAULT_DATA,), DATA, "one or more sources, each PATH or PATH:WEIGHT, "
+                                   "PATH[:SPLIT] for a dataset with splits: a .jsonl, .json, .parquet, .arrow or "
+                                   ".csv file of rows, a folder or glob of such shards, a Dataset/DatasetDict."
+                                   "save_to_disk folder, a hub dataset id in the local Hugging Face cache, an "
+                                   "indexed dataset prefix (.bin/.idx) or a text file. Rows of chat conversations "
+                                   "('messages' with system/user/assistant/tool turns, ShareGPT 'conversations', "
+                                   "Alpaca 'instruction' + 'output', or 'prompt' + 'completion') train on "
+                                   "assistant tokens, packed; 'text' rows are documents. Several are mixed by "
+                                   "weight (a:3 b:1: 75%% of the samples from a), each in its own shape; an epoch "
+                                   "is as many samples as they hold together (default: data/tiny_corpus.txt)")  # fmt: skip
+    data_columns: tuple[str, ...] | None = option(None, DATA, "the columns of rows under other names: ROLE=COLUMN for "
+                                           "every source that has COLUMN, SOURCE:ROLE=COLUMN for one --data "
+                                           "entry (roles: messages, conversations, instruction, input, output, "
+                                           "system, prompt, completion, text), e.g. messages=dialog")  # fmt: skip
+    data_workers: int | None = option(None, DATA, "processes that tokenise --data into its cache (default: the "
+                                      "CPU cores of one rank's share of the node)", least=1)  # fmt: skip
+    data_cache: str | None = option(None, DATA, "where tokenised data is cached, keyed by content, tokenizer and "
+                                    "columns, built once per file system (default: <--output-dir>/data_cache; "
+                                    "`python -m glm53_ds.data prepare` fills it ahead of a run)")  # fmt: skip
     pack: bool = option(False, DATA, "pack whole documents into rows of --seq-length tokens, each computed alone "
                         "(cu_seqlens), instead of windows over the document stream")  # fmt: skip
     long_documents: str = option("split", DATA, "packed / chat data: a document longer than --seq-length is split "
                                  "into row-sized pieces, cut to its first row, or left out; how many were is "
                                  "reported at start-up (default: split)", choices=LONG_DOCUMENTS)  # fmt: skip
-    valid_data: str | None = option(None, DATA, "validation data in --data's formats (text, chat .jsonl, --pack): "
+    valid_data: str | None = option(None, DATA, "validation data in any of --data's forms (and --pack): "
                                     "the LM and MTP loss (global token mean, no gradients, dropout off) every "
                                     "--eval-interval steps and at the end, in metrics.jsonl, TensorBoard and "
                                     "loss.png")  # fmt: skip

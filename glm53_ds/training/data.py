@@ -1,19 +1,18 @@
-"""Training data: megatron indexed datasets, built from text / jsonl, sampled deterministically.
+"""Training data: the streams a run reads, over the caches glm53_ds/data builds, sampled deterministically.
 
-Sources (`--data`):
-  - a megatron indexed dataset prefix (`<prefix>.bin` + `<prefix>.idx`, from megatron-core's tools or
-    `python -m glm53_ds.training.data --input ... --output-prefix ...`);
-  - a `.jsonl` file (one document per line, text under "text") or a plain `.txt` file (one document), tokenized at
-    start-up into an indexed dataset next to a cache key.
-Tokenizers (`--tokenizer`): `bytes` (UTF-8 bytes, the `tiny` preset's vocabulary) or a directory that
+Sources (`--data`, every form in glm53_ds/data/sources.py): a megatron indexed dataset prefix is read as it is;
+rows (`.jsonl`, `.json`, parquet, Arrow, shard folders, save_to_disk folders, the local hub cache) and text files
+are tokenised into a cache (glm53_ds/data/prepare.py) keyed by content, tokenizer and columns. Tokenizers
+(`--tokenizer`): `bytes` (UTF-8 bytes, the `tiny` preset's vocabulary) or a directory that
 `transformers.AutoTokenizer` loads (the checkpoint's own).
 
 Document boundaries: documents are concatenated into one token stream with an end-of-document token after each;
 a training sample is any window of `seq_length + 1` consecutive tokens of that stream, so a sample may span a
-boundary, and attention is not reset there (as in megatron's GPT dataset). Samples are non-overlapping windows,
-visited in a permutation fixed by the seed (re-shuffled every epoch with seed + epoch); the position in that
-order is the number of samples consumed (stored in checkpoints), so a resumed run reads exactly the samples the
-uninterrupted run would have, at any world size, EP or ETP.
+boundary, and attention is not reset there (as in megatron's GPT dataset). Chat rows, and any data under `--pack`,
+are packed rows instead (training/packing.py). Samples are visited in a permutation fixed by the seed
+(re-shuffled every epoch with seed + epoch); the position in that order is the number of samples consumed (stored
+in checkpoints), so a resumed run reads exactly the samples the uninterrupted run would have, at any world size,
+EP or ETP.
 """
 
 from __future__ import annotations
@@ -22,14 +21,19 @@ import argparse
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from ..convert.tokenizer_files import TOKENIZER_FILES
+from ..data.columns import ColumnMap
+from ..data.prepare import build_indexed_cache, build_once, build_packed_cache, inspect_source
+from ..data.sources import Source, content_hash, fingerprint, resolve_source
 from ..safe_io import atomic_write_text
 from .mixture import DataSource, MixedStream
 from .packing import (
@@ -38,37 +42,11 @@ from .packing import (
     SeededOrder,
     build_packed,
     byte_chat_template,
-    chat_messages,
-    render_chat,
     subset_identity,
     window_batch,
 )
 
 BYTE_EOD, BYTE_PAD = 256, 257
-CHAT_KEYS = frozenset({"messages", "conversations", "instruction", "prompt"})
-
-
-WHOLE_HASH_BYTES = 1 << 30  # files up to this size are hashed whole; larger indexed datasets are sampled
-
-
-def content_hash(paths: Sequence[str], whole_bytes: int = WHOLE_HASH_BYTES) -> str:
-    """A fingerprint of the files' contents (names aside): each file's size and its bytes, read whole up to
-    `whole_bytes`; of a larger file 256 blocks of 64 KiB spread evenly over it, the first and last included (an
-    indexed dataset of hundreds of GB is not read at every start; a different corpus still differs)."""
-    digest = hashlib.blake2b(digest_size=16)
-    for path in paths:
-        size = os.path.getsize(path)
-        digest.update(f"{size}|".encode())
-        with open(path, "rb") as f:
-            if size <= whole_bytes:
-                while chunk := f.read(1 << 24):
-                    digest.update(chunk)
-                continue
-            block, count = 1 << 16, 256
-            for i in range(count):
-                f.seek((size - block) * i // (count - 1))
-                digest.update(f.read(block))
-    return digest.hexdigest()
 
 
 class ByteTokenizer:
@@ -80,6 +58,9 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [list(t.encode("utf-8")) for t in texts]
 
     def decode(self, ids: Sequence[int]) -> str:
         """The bytes among `ids` as text (the end-of-document and padding ids are not bytes)."""
@@ -122,6 +103,12 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of each text, in one call (a fast tokenizer's batch path)."""
+        if not texts:
+            return []
+        return [list(ids) for ids in self.tok(list(texts), add_special_tokens=False)["input_ids"]]
+
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tok.decode(list(ids), skip_special_tokens=True))
 
@@ -146,108 +133,124 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
     return ByteTokenizer() if spec == "bytes" else HFTokenizer(spec)
 
 
-def _jsonl_records(path: str) -> Iterator[tuple[str, Any]]:
-    """(`file:line`, parsed record) for every non-blank line of a .jsonl file; a bad line names file and line."""
-    with open(path, "rb") as f:
-        for i, raw in enumerate(f, 1):
-            line = _utf8(raw, f"{path}:{i}")
-            if line.strip():
-                try:
-                    yield f"{path}:{i}", json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{i}: not a JSON line ({e.msg} at column {e.colno})") from e
-                except RecursionError as e:
-                    raise ValueError(f"{path}:{i}: a JSON line nested too deeply to read") from e
-
-
-def _utf8(raw: bytes, where: str) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from e
-
-
-def _documents(path: str) -> Iterator[str]:
-    if path.endswith(".jsonl"):
-        for where, doc in _jsonl_records(path):
-            if not isinstance(doc, dict) or "text" not in doc:
-                raise ValueError(f"{where}: a jsonl document needs a 'text' field")
-            yield doc["text"]
-    else:
-        with open(path, "rb") as f:
-            yield _utf8(f.read(), path)
-
-
-def build_indexed_dataset(input_path: str, output_prefix: str, tokenizer: ByteTokenizer | HFTokenizer) -> str:
-    """Tokenize text/jsonl into `<output_prefix>.bin/.idx` (written to temporary names, then renamed)."""
-    dtype = np.uint16 if tokenizer.vocab_size < 65500 else np.int32
-    tmp = f"{output_prefix}.tmp{os.getpid()}"
-    builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
-    count = 0
-    for text in _documents(input_path):
-        ids = torch.tensor(tokenizer.encode(text) + [tokenizer.eod_id], dtype=torch.int64)
-        builder.add_document(ids, [ids.numel()])  # one sequence per document
-        count += 1
-    if count == 0:
-        raise ValueError(f"--data {input_path!r} holds no documents")
-    builder.finalize(tmp + ".idx")
-    os.replace(tmp + ".bin", output_prefix + ".bin")
-    os.replace(tmp + ".idx", output_prefix + ".idx")
-    return output_prefix
-
-
-def _cache_key(paths: Sequence[str], *options: object) -> str:
-    """A cache name for what is built from the files `paths` (their contents: `content_hash`) with `options` (the
-    tokenizer's fingerprint, ...): an edit of the data or of the tokenizer in place builds anew."""
-    fields = [content_hash(paths), *options]
-    return hashlib.sha1("|".join(str(f) for f in fields).encode()).hexdigest()[:16]
+def _cache_key(paths_or_fingerprint: Sequence[str] | str, *options: object) -> str:
+    """A cache name for what is built from the data (its content fingerprint, or the files' `content_hash`) with
+    `options` (the tokenizer's fingerprint, ...): an edit of the data or of the tokenizer in place builds anew."""
+    data = (
+        paths_or_fingerprint if isinstance(paths_or_fingerprint, str) else content_hash(paths_or_fingerprint)
+    )
+    return hashlib.sha1("|".join(str(f) for f in [data, *options]).encode()).hexdigest()[:16]
 
 
 def _dataset_files(prefix: str) -> list[str]:
     return [prefix + ".idx", prefix + ".bin"]
 
 
-def check_data_path(data: str, option: str = "--data", named: str | None = None) -> None:
-    """FileNotFoundError naming `option` (and the entry as given, `named`) unless `data` is a file or an indexed
-    dataset prefix (.bin + .idx)."""
-    if not (os.path.isfile(data) or (os.path.isfile(data + ".bin") and os.path.isfile(data + ".idx"))):
-        raise FileNotFoundError(
-            f"{option} {named or data!r}: neither a file nor an indexed dataset prefix (.bin/.idx)"
-        )
+def _complete_prefix(prefix: str) -> bool:
+    return os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")
 
 
-def resolve_dataset(data: str, tokenizer: ByteTokenizer | HFTokenizer, cache_dir: str) -> str:
-    """The indexed-dataset prefix for `--data` (tokenizing text/jsonl into `cache_dir` once)."""
-    check_data_path(data)
-    if os.path.isfile(data + ".bin") and os.path.isfile(data + ".idx"):
-        return data
-    prefix = os.path.join(cache_dir, f"{os.path.basename(data)}.{_cache_key([data], tokenizer.fingerprint)}")
-    if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
-        os.makedirs(cache_dir, exist_ok=True)
-        build_indexed_dataset(data, prefix, tokenizer)
+def _complete_packed(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, "meta.json"))
+
+
+@dataclass(frozen=True)
+class Building:
+    """How this process takes part in building caches: `workers` tokenising processes; `builder`: whether it
+    builds (else it waits for one that does); `progress`: whether it shows the progress bar."""
+
+    workers: int = 1
+    builder: bool = True
+    progress: bool = False
+
+
+NO_COLUMNS, ONE_BUILDER = ColumnMap(), Building()  # no --data-columns; this process builds, one worker
+
+
+def _cache_name(source: Source) -> str:
+    """A readable name for the source's caches: the file's or folder's name (the hub id for a hub dataset)."""
+    name = (
+        source.entry.rpartition(":")[0]
+        if source.split and source.entry.endswith(f":{source.split}")
+        else source.entry
+    )
+    name = name.replace("/", "--") if source.hub else os.path.basename(name.rstrip("/")) or "data"
+    return re.sub(r"[^\w.+-]", "_", name)[:80] + (f".{source.split}" if source.split else "")
+
+
+class OpenedSource:
+    """One `--data` entry resolved and inspected (its shape said in `inspected.line`), its fingerprint taken."""
+
+    def __init__(self, path: str, columns: ColumnMap, cache_dir: str, option: str = "--data") -> None:
+        self.source = resolve_source(path, option)
+        self.inspected = inspect_source(self.source, columns, cache_dir)
+        kind = self.source.kind
+        self.fingerprint = content_hash(self.source.files) if kind == "indexed" else fingerprint(self.source)
+        mapped = ",".join(f"{role}={column}" for role, column in sorted(self.inspected.mapping.items()))
+        # none for a .jsonl read under its own names: the keys of earlier runs' caches
+        self.extras = [x for x in (self.source.split and f"split={self.source.split}", mapped and f"columns={mapped}") if x]  # fmt: skip
+
+    @property
+    def chat(self) -> bool:
+        return self.inspected.chat
+
+
+def _indexed_prefix(opened: OpenedSource, tokenizer: Any, cache_dir: str, building: Building) -> str:
+    """The indexed dataset of a source's documents: the prefix itself, or a cache built once."""
+    source = opened.source
+    if source.kind == "indexed":
+        return source.path
+    key = _cache_key(opened.fingerprint, tokenizer.fingerprint, *opened.extras)
+    prefix = os.path.join(cache_dir, f"{_cache_name(source)}.{key}")
+    build_once(prefix, lambda: _complete_prefix(prefix),
+               lambda: build_indexed_cache(source, opened.inspected, tokenizer, prefix, cache_dir, building.workers,
+                                           building.progress),
+               f"the token cache of --data {source.named}", building.builder)  # fmt: skip
     return prefix
 
 
-def is_chat_jsonl(path: str) -> bool:
-    """Whether a .jsonl holds chat data: its first record has one of the chat shapes' keys (`chat_messages`)."""
-    if not path.endswith(".jsonl"):
-        return False
-    for _, record in _jsonl_records(path):
-        return isinstance(record, dict) and bool(CHAT_KEYS & set(record))
-    return False
+def _open_one(
+    opened: OpenedSource, tokenizer: Any, cache_dir: str, seq_length: int, seed: int, vocab_size: int, pack: bool,
+    long_documents: str, building: Building,
+) -> DataStream:  # fmt: skip
+    source, chat = opened.source, opened.chat
+    os.makedirs(cache_dir, exist_ok=True)
+    if not (chat or pack):
+        stream: DataStream = SampleStream(_indexed_prefix(opened, tokenizer, cache_dir, building), seq_length, seed,
+                                          vocab_size)  # fmt: skip
+    else:
+        if chat:
+            key = _cache_key(opened.fingerprint, tokenizer.fingerprint, seq_length, "chat", long_documents,
+                             *opened.extras)  # fmt: skip
+        else:  # --pack: packed from the documents' indexed dataset (built first)
+            prefix = _indexed_prefix(opened, tokenizer, cache_dir, building)
+            key = _cache_key(
+                _dataset_files(prefix), tokenizer.fingerprint, seq_length, "pack", long_documents
+            )
+        directory = os.path.join(cache_dir, f"{_cache_name(source)}.{key}.packed")
+
+        def build() -> None:
+            if chat:
+                build_packed_cache(source, opened.inspected, tokenizer, directory, cache_dir, seq_length,
+                                   long_documents, key, building.workers, building.progress)  # fmt: skip
+            else:
+                build_packed(_text_documents(prefix), directory, seq_length, tokenizer.pad_id, fingerprint=key,
+                             source=f"--data {source.named}", unit="documents", long_documents=long_documents)  # fmt: skip
+
+        build_once(directory, lambda: _complete_packed(directory), build,
+                   f"the packed rows of --data {source.named}", building.builder)  # fmt: skip
+        stream = PackedRowStream(directory, seed, vocab_size)
+    if source.kind not in ("indexed", "text"):
+        stream.notices.insert(0, opened.inspected.line)
+    return stream
 
 
-def _chat_documents(path: str, tokenizer: Any) -> Iterator[tuple[list[int], list[bool]]]:
-    for where, record in _jsonl_records(path):
-        yield render_chat(tokenizer, chat_messages(record, where), where)
-
-
-def _text_documents(prefix: str) -> Iterator[tuple[list[int], list[bool]]]:
+def _text_documents(prefix: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The documents of an indexed dataset, every token a target."""
     dataset = IndexedDataset(prefix)
     for d in range(len(dataset)):
-        ids = [int(t) for t in dataset[d]]
-        yield ids, [True] * len(ids)
+        ids = np.asarray(dataset[d], dtype=np.int32)
+        yield ids, np.ones(len(ids), dtype=bool)
 
 
 def open_stream(
@@ -259,41 +262,29 @@ def open_stream(
     vocab_size: int,
     pack: bool,
     long_documents: str = "split",
+    columns: ColumnMap = NO_COLUMNS,
+    building: Building = ONE_BUILDER,
+    option: str = "--data",
 ) -> DataStream:
     """The training data for `--data`: packed rows for chat data or `--pack`, else pretraining windows; tokenized
-    and packed into `cache_dir` once (the first caller builds, later ones open the cache). Caches are keyed on the
-    data's and the tokenizer's contents. `long_documents`: what packing does with a document longer than a row
-    (`packing.LONG_DOCUMENTS`). Several sources (`DataSource`s) are mixed by weight (training/mixture.py), every
-    one packed when any is chat data or `--pack` is given (a micro-batch is one shape)."""
-    if not isinstance(data, str):
-        if len(data) > 1:
-            packed = pack or any(is_chat_source(s.path) for s in data)
-            streams = [open_stream(s.path, tokenizer, cache_dir, seq_length, seed, vocab_size, packed, long_documents)
-                       for s in data]  # fmt: skip
-            return MixedStream(data, streams)
-        data = data[0].path
-    chat = is_chat_source(data)
-    if not (chat or pack):
-        return SampleStream(resolve_dataset(data, tokenizer, cache_dir), seq_length, seed, vocab_size)
-    source = data if chat else resolve_dataset(data, tokenizer, cache_dir)
-    key = _cache_key(
-        [source] if chat else _dataset_files(source),
-        tokenizer.fingerprint,
-        seq_length,
-        "chat" if chat else "pack",
-        long_documents,
-    )
-    directory = os.path.join(cache_dir, f"{os.path.basename(data)}.{key}.packed")
-    if not os.path.isfile(os.path.join(directory, "meta.json")):
-        os.makedirs(cache_dir, exist_ok=True)
-        documents = _chat_documents(data, tokenizer) if chat else _text_documents(source)
-        build_packed(documents, directory, seq_length, tokenizer.pad_id, fingerprint=key, source=f"--data {data}",
-                     unit="conversations" if chat else "documents", long_documents=long_documents)  # fmt: skip
-    return PackedRowStream(directory, seed, vocab_size)
+    and packed into `cache_dir` once per file system (`building`: who builds, with how many workers). Caches are
+    keyed on the data's and the tokenizer's contents and the columns. `long_documents`: what packing does with a
+    document longer than a row (`packing.LONG_DOCUMENTS`). Several sources (`DataSource`s) are mixed by weight
+    (training/mixture.py), every one packed when any is chat data or `--pack` is given (a micro-batch is one
+    shape)."""
+    entries = [data] if isinstance(data, str) else [s.path for s in data]
+    opened = [OpenedSource(path, columns, cache_dir, option) for path in entries]
+    packed = pack or any(o.chat for o in opened)
+    streams = [_open_one(o, tokenizer, cache_dir, seq_length, seed, vocab_size, packed, long_documents, building)
+               for o in opened]  # fmt: skip
+    if isinstance(data, str) or len(data) == 1:
+        return streams[0]
+    return MixedStream(data, streams)
 
 
-def is_chat_source(data: str) -> bool:
-    return os.path.isfile(data) and is_chat_jsonl(data)
+def is_chat_source(data: str, columns: ColumnMap = NO_COLUMNS, cache_dir: str = "") -> bool:
+    """Whether `data` holds chat rows (its first row's shape)."""
+    return OpenedSource(data, columns, cache_dir).chat
 
 
 class SampleStream:
@@ -381,13 +372,20 @@ def max_token_id(bin_path: str, dtype: np.dtype, chunk_tokens: int = 1 << 24) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Tokenize text/jsonl into a megatron indexed dataset.")
+    parser = argparse.ArgumentParser(description="Tokenize text / rows into a megatron indexed dataset (the "
+                                     "documents of --input, one sequence each).")  # fmt: skip
     parser.add_argument("--input", required=True)
     parser.add_argument("--output-prefix", required=True)
     parser.add_argument("--tokenizer", default="bytes")
+    parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args()
-    prefix = build_indexed_dataset(args.input, args.output_prefix, load_tokenizer(args.tokenizer))
-    print(f"wrote {prefix}.bin / {prefix}.idx")
+    tokenizer = load_tokenizer(args.tokenizer)
+    opened = OpenedSource(
+        args.input, ColumnMap(), os.path.dirname(os.path.abspath(args.output_prefix)), "--input"
+    )
+    build_indexed_cache(opened.source, opened.inspected, tokenizer, args.output_prefix,
+                        os.path.dirname(os.path.abspath(args.output_prefix)), args.workers, show=True)  # fmt: skip
+    print(f"wrote {args.output_prefix}.bin / {args.output_prefix}.idx")
 
 
 if __name__ == "__main__":

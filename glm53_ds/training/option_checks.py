@@ -13,10 +13,11 @@ import re
 from typing import Any
 
 from ..checkpoint.directory import has_latest, later_tags, latest_tag, not_ours
+from ..data.columns import parse_column_map
+from ..data.sources import resolve_source
 from ..safe_io import OutputPathError, check_output_dir, published_tags
 from ..transformer_config import FULL_RECOMPUTE_LOSSES
 from .config import RECOMPUTE, TrainConfig, check_seq_length
-from .data import check_data_path
 from .errors import SetupError
 from .mixture import parse_sources
 from .model_source import REAL_WIDTH, RUN_SCALE_OPTIONS, check_model_config_file, resolve_model
@@ -60,13 +61,19 @@ def check_inputs(config: TrainConfig) -> None:
         sources = parse_sources(config.data)
     except ValueError as e:
         raise SetupError(str(e)) from e
-    checked = [("--data", s.path if len(sources) == 1 else s.entry, s.path) for s in sources]
-    for option, named, data_path in [*checked, ("--valid-data", config.valid_data, config.valid_data)]:
+    checked = [("--data", s.path, s.path if len(sources) == 1 else s.entry) for s in sources]
+    for option, data_path, named in [*checked, ("--valid-data", config.valid_data, config.valid_data)]:
         try:
             if data_path is not None:
-                check_data_path(data_path, option, named)  # in the first seconds, before DeepSpeed starts
-        except FileNotFoundError as e:
+                resolve_source(
+                    data_path, option, named
+                )  # its form, in the first seconds, before DeepSpeed starts
+        except (FileNotFoundError, ValueError) as e:
             raise SetupError(str(e)) from e
+    try:
+        parse_column_map(config.data_columns or (), [s.path for s in sources])
+    except ValueError as e:
+        raise SetupError(str(e)) from e
     if config.wandb_mode not in ("online", "offline"):
         raise SetupError(f"--wandb-mode must be online or offline, got {config.wandb_mode!r}")
     if config.wandb_project is None and (config.wandb_mode != "online" or config.wandb_name):

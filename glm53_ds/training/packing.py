@@ -266,96 +266,166 @@ def render_chat(
 LONG_DOCUMENTS = ("split", "truncate", "drop")  # --long-documents: a document longer than a row
 
 
+class Packer:
+    """Greedy packing (module docstring), one document at a time: each finished row goes to `emit(tokens, labels,
+    document starts, real tokens)` at once, so memory holds one row, not the data. A document longer than a row
+    is cut into row-sized pieces (`split`), cut to its first row (`truncate`) or left out (`drop`); `counts` say
+    how many were."""
+
+    def __init__(self, seq_length: int, pad_id: int, long_documents: str, emit: Any) -> None:
+        if long_documents not in LONG_DOCUMENTS:
+            raise ValueError(f"--long-documents must be one of {LONG_DOCUMENTS}, got {long_documents!r}")
+        self.seq_length, self.pad_id, self.long_documents, self.emit = (
+            seq_length,
+            pad_id,
+            long_documents,
+            emit,
+        )
+        self.counts = dict(documents=0, pieces=0, real_tokens=0, targets=0, no_target_documents=0,
+                           long_documents=0, rows=0, max_token_id=-1)  # fmt: skip
+        self._tokens = np.empty(seq_length, dtype=np.int32)
+        self._labels = np.empty(seq_length, dtype=np.int32)
+        self._fill, self._starts = 0, []  # type: ignore[var-annotated]
+
+    def add(self, ids: Sequence[int] | np.ndarray, trained: Sequence[bool] | np.ndarray) -> None:
+        ids, trained = np.asarray(ids, dtype=np.int32), np.asarray(trained, dtype=bool)
+        counts, seq = self.counts, self.seq_length
+        counts["documents"] += 1
+        targets_before = counts["targets"]
+        if len(ids) > seq:
+            counts["long_documents"] += 1
+            if self.long_documents == "drop":
+                return
+            if self.long_documents == "truncate":
+                ids, trained = ids[:seq], trained[:seq]
+        if len(ids):
+            counts["max_token_id"] = max(counts["max_token_id"], int(ids.max()))
+        for begin in range(0, len(ids), seq):
+            piece, mask = ids[begin : begin + seq], trained[begin : begin + seq]
+            if self._fill + len(piece) > seq:
+                self._close()
+            self._starts.append(self._fill)
+            end = self._fill + len(piece)
+            self._tokens[self._fill : end] = piece
+            self._labels[self._fill : end] = np.where(mask, piece, IGNORE_INDEX)
+            self._fill = end
+            counts["pieces"] += 1
+            counts["real_tokens"] += len(piece)
+            counts["targets"] += int(mask[1:].sum())  # a piece's first token is no target
+        counts["no_target_documents"] += counts["targets"] == targets_before
+
+    def _close(self) -> None:
+        if not self._fill and not self._starts:
+            return
+        real, starts = self._fill, self._starts
+        if real < self.seq_length:  # padding: its own document, no targets
+            starts.append(real)
+            self._tokens[real:] = self.pad_id
+            self._labels[real:] = IGNORE_INDEX
+            self.counts["max_token_id"] = max(self.counts["max_token_id"], self.pad_id)
+        self.emit(self._tokens, self._labels, starts, real)
+        self.counts["rows"] += 1
+        self._fill, self._starts = 0, []
+
+    def finish(self) -> dict[str, int]:
+        self._close()
+        if not self.counts["rows"]:
+            raise ValueError(f"no documents to pack ({self.counts['long_documents']} longer than a row of "
+                             f"{self.seq_length} tokens, --long-documents {self.long_documents})")  # fmt: skip
+        return self.counts
+
+
 def pack(
     documents: Iterator[tuple[list[int], list[bool]]],
     seq_length: int,
     pad_id: int,
     long_documents: str = "split",
 ) -> tuple[np.ndarray, np.ndarray, list[list[int]], list[int], dict[str, int]]:
-    """Greedy packing (module docstring): (tokens, labels [rows, seq_length] int32, document starts per row,
-    real (non-padding) tokens per row, counts). A document longer than a row is cut into row-sized pieces
-    (`split`), cut to its first row (`truncate`) or left out (`drop`); counts say how many were."""
-    rows_tokens: list[list[int]] = []
-    rows_labels: list[list[int]] = []
-    starts: list[list[int]] = []
-    real: list[int] = []
-    tokens: list[int] = []
-    labels: list[int] = []
-    row_starts: list[int] = []
-    if long_documents not in LONG_DOCUMENTS:
-        raise ValueError(f"--long-documents must be one of {LONG_DOCUMENTS}, got {long_documents!r}")
-    counts = dict(documents=0, pieces=0, real_tokens=0, targets=0, no_target_documents=0, long_documents=0)
+    """`Packer` over `documents`, its rows gathered in memory: (tokens, labels [rows, seq_length] int32, document
+    starts per row, real (non-padding) tokens per row, counts); for small data and tests."""
+    rows_tokens, rows_labels, starts, real = [], [], [], []
 
-    def close() -> None:
-        nonlocal tokens, labels, row_starts
-        if not tokens:
-            return
-        real.append(len(tokens))
-        if len(tokens) < seq_length:  # padding: its own document, no targets
-            row_starts.append(len(tokens))
-            labels += [IGNORE_INDEX] * (seq_length - len(tokens))
-            tokens += [pad_id] * (seq_length - len(tokens))
-        rows_tokens.append(tokens)
-        rows_labels.append(labels)
-        starts.append(row_starts)
-        tokens, labels, row_starts = [], [], []
+    def keep(tokens: np.ndarray, labels: np.ndarray, row_starts: list[int], row_real: int) -> None:
+        rows_tokens.append(tokens.copy())
+        rows_labels.append(labels.copy())
+        starts.append(list(row_starts))
+        real.append(row_real)
 
+    packer = Packer(seq_length, pad_id, long_documents, keep)
     for ids, trained in documents:
-        counts["documents"] += 1
-        targets_before = counts["targets"]
-        if len(ids) > seq_length:
-            counts["long_documents"] += 1
-            if long_documents == "drop":
-                continue
-            if long_documents == "truncate":
-                ids, trained = ids[:seq_length], trained[:seq_length]
-        for begin in range(0, len(ids), seq_length):
-            piece, mask = ids[begin : begin + seq_length], trained[begin : begin + seq_length]
-            if len(tokens) + len(piece) > seq_length:
-                close()
-            row_starts.append(len(tokens))
-            tokens += piece
-            labels += [t if m else IGNORE_INDEX for t, m in zip(piece, mask, strict=True)]
-            counts["pieces"] += 1
-            counts["real_tokens"] += len(piece)
-            counts["targets"] += sum(mask[1:])  # a piece's first token is no target
-        counts["no_target_documents"] += counts["targets"] == targets_before
-    close()
-    if not rows_tokens:
-        raise ValueError(f"no documents to pack ({counts['long_documents']} longer than a row of {seq_length} tokens, "
-                         f"--long-documents {long_documents})")  # fmt: skip
-    return (
-        np.asarray(rows_tokens, dtype=np.int32),
-        np.asarray(rows_labels, dtype=np.int32),
-        starts,
-        real,
-        counts,
-    )
+        packer.add(ids, trained)
+    counts = {k: v for k, v in packer.finish().items() if k not in ("rows", "max_token_id")}
+    return np.stack(rows_tokens), np.stack(rows_labels), starts, real, counts
+
+
+class _NpyAppender:
+    """A `.npy` file written row by row, its length unknown until `close` (a fixed-size header rewritten then)."""
+
+    HEADER = 128
+
+    def __init__(self, path: str, dtype: type, row_shape: tuple[int, ...] = ()) -> None:
+        self.file, self.dtype, self.row_shape, self.rows = open(path, "wb"), np.dtype(dtype), row_shape, 0
+        self.file.write(self._header())
+
+    def _header(self) -> bytes:
+        shape = (self.rows, *self.row_shape)
+        text = repr(
+            {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False, "shape": shape}
+        )
+        body = text + " " * (self.HEADER - 10 - len(text) - 1) + "\n"
+        return b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body.encode("latin1")
+
+    def append(self, values: np.ndarray | Sequence[int]) -> None:
+        array = np.asarray(values, dtype=self.dtype)
+        self.file.write(array.tobytes())
+        self.rows += 1 if self.row_shape else array.size
+
+    def close(self) -> None:
+        self.file.seek(0)
+        self.file.write(self._header())
+        self.file.close()
 
 
 def build_packed(
-    documents: Iterator[tuple[list[int], list[bool]]], directory: str, seq_length: int, pad_id: int,
-    fingerprint: str = "", source: str = "the data", unit: str = "documents", long_documents: str = "split",
+    documents: Iterator[tuple[Sequence[int] | np.ndarray, Sequence[bool] | np.ndarray]], directory: str,
+    seq_length: int, pad_id: int, fingerprint: str = "", source: str = "the data", unit: str = "documents",
+    long_documents: str = "split", description: str = "",
 ) -> str:  # fmt: skip
-    """Pack `documents` into `directory` (staged, then renamed into place). Data with no target token at all is
-    refused (nothing would be trained: a loss of 0 while weight decay still moves the weights). `fingerprint`:
-    what the rows were built from (the cache key: data and tokenizer contents), recorded for resumes."""
-    tokens, labels, starts, real, counts = pack(documents, seq_length, pad_id, long_documents)
-    if counts["targets"] == 0:
-        raise ValueError(f"{source}: none of its {counts['documents']} {unit} has a token to train on (no assistant "
-                         "turn, or only empty ones); nothing would be learned")  # fmt: skip
-    flat = np.asarray([s for row in starts for s in row], dtype=np.int32)
-    offsets = np.cumsum([0] + [len(row) for row in starts]).astype(np.int64)
+    """Pack `documents` into `directory` (staged, then renamed into place), streaming: rows are written as they
+    are packed, so memory does not grow with the data. Data with no target token at all is refused (nothing would
+    be trained: a loss of 0 while weight decay still moves the weights). `fingerprint`: what the rows were built
+    from (the cache key: data and tokenizer contents), recorded for resumes; `description`: the source's shape,
+    said again when the cache is opened."""
     with staged_dir(directory) as tmp:
-        np.save(os.path.join(tmp, "tokens.npy"), tokens)
-        np.save(os.path.join(tmp, "labels.npy"), labels)
-        np.save(os.path.join(tmp, "doc_starts.npy"), flat)
-        np.save(os.path.join(tmp, "row_offsets.npy"), offsets)
-        np.save(os.path.join(tmp, "real_tokens.npy"), np.asarray(real, dtype=np.int32))
-        meta = dict(seq_length=seq_length, rows=int(tokens.shape[0]), max_token_id=int(tokens.max()),
-                    fingerprint=fingerprint, source=source, unit=unit, long_policy=long_documents, **counts)  # fmt: skip
-        with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
-            json.dump(meta, f)
+        out = {name: _NpyAppender(os.path.join(tmp, f"{name}.npy"), dtype, shape) for name, dtype, shape in (
+            ("tokens", np.int32, (seq_length,)), ("labels", np.int32, (seq_length,)),
+            ("doc_starts", np.int32, ()), ("row_offsets", np.int64, ()), ("real_tokens", np.int32, ()))}  # fmt: skip
+        offset = [0]
+        out["row_offsets"].append([0])
+
+        def emit(tokens: np.ndarray, labels: np.ndarray, starts: list[int], real: int) -> None:
+            out["tokens"].append(tokens)
+            out["labels"].append(labels)
+            out["doc_starts"].append(starts)
+            offset[0] += len(starts)
+            out["row_offsets"].append([offset[0]])
+            out["real_tokens"].append([real])
+
+        packer = Packer(seq_length, pad_id, long_documents, emit)
+        try:
+            for ids, trained in documents:
+                packer.add(ids, trained)
+            counts = packer.finish()
+        finally:
+            for f in out.values():
+                f.close()
+        if counts["targets"] == 0:
+            raise ValueError(f"{source}: none of its {counts['documents']} {unit} has a token to train on (no "
+                             "assistant turn, or only empty ones); nothing would be learned")  # fmt: skip
+        meta = dict(seq_length=seq_length, fingerprint=fingerprint, source=source, unit=unit,
+                    long_policy=long_documents, description=description, **counts)  # fmt: skip
+        with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as meta_file:
+            json.dump(meta, meta_file)
     return directory
 
 

@@ -29,6 +29,8 @@ from ..checkpoint import CheckpointDir, CheckpointError, layout_record, verify_c
 from ..checkpoint.base_weights import describe_base
 from ..checkpoint.directory import later_tags
 from ..config import Glm53Config
+from ..data.columns import parse_column_map
+from ..data.prepare import default_workers
 from ..engine import (
     Glm53Engine,
     build_engine,
@@ -50,7 +52,7 @@ from ..transformer_config import make_transformer_config
 from .args import build_parser
 from .base_quant import BaseQuant
 from .config import SetupError, TrainConfig
-from .data import DataStream, is_chat_source, load_tokenizer, open_stream
+from .data import Building, DataStream, is_chat_source, load_tokenizer, open_stream
 from .epochs import epoch_steps, validation_line
 from .metrics import MetricsWriter, WandbRun, loggable, plot_loss
 from .mixture import DataSource, MixedStream, parse_sources, split_validation
@@ -141,8 +143,10 @@ class Trainer(ResumeChecks, TrainSteps):
                 f"{cfg.vocab_size}"
             )
         sources = parse_sources(c.data)  # checked with the options (training/option_checks.py)
+        columns = or_setup_error(lambda: parse_column_map(c.data_columns or (), [s.path for s in sources]))
+        cache_dir = c.data_cache or os.path.join(c.output_dir, "data_cache")
         if c.sample_prompts:  # read now: a bad line is said before any expensive work
-            chat = any(is_chat_source(s.path) for s in sources)
+            chat = or_setup_error(lambda: any(is_chat_source(s.path, columns, cache_dir) for s in sources))
             prompts = or_setup_error(lambda: read_prompts(str(c.sample_prompts), tokenizer, chat))
             self.prompts, notice = fit_prompts(prompts, cfg.max_position_embeddings, c.sample_tokens)
             if notice and int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -165,18 +169,20 @@ class Trainer(ResumeChecks, TrainSteps):
 
         # the same inputs on every rank: a failure is every rank's
         or_setup_error(lambda: self._check_layout(self.world, saved_batch), alike=True)
-        # Rank 0 tokenizes (and packs) once; the others wait, then every rank reads the same cache.
-        cache_dir = os.path.join(c.output_dir, "data_cache")
+        # Each node's local rank 0 tokenizes (and packs) with --data-workers processes, once per file system (a
+        # lock: on shared storage one builds, the others wait); every rank waits on that lock, then maps the cache.
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        building = Building(
+            c.data_workers or default_workers(), builder=local_rank == 0, progress=local_rank == 0
+        )
 
-        def stream(data: Sequence[DataSource]) -> DataStream:
+        def stream(data: Sequence[DataSource], option: str = "--data") -> DataStream:
             return open_stream(data, tokenizer, cache_dir, c.seq_length, c.seed, cfg.vocab_size, c.pack,
-                               c.long_documents)  # fmt: skip
+                               c.long_documents, columns, building, option)  # fmt: skip
 
-        def opened(data: Sequence[DataSource]) -> DataStream:
-            """`data`'s stream on every rank: rank 0 builds the cache, the others wait for it, then read it."""
-            first = agreed((lambda: stream(data)) if self.rank == 0 else lambda: None)
-            later = agreed((lambda: stream(data)) if self.rank != 0 else lambda: None)
-            return first if self.rank == 0 else later
+        def opened(data: Sequence[DataSource], option: str = "--data") -> DataStream:
+            """`data`'s stream on every rank, its failure said once."""
+            return agreed(lambda: stream(data, option))
 
         # one writer per checkpoint directory and per output directory (rank 0 holds the locks for the run): a
         # second run into either is refused before it writes there (one lock where the two are one directory)
@@ -194,7 +200,7 @@ class Trainer(ResumeChecks, TrainSteps):
             or_setup_error(lambda: split_validation(self.stream, self.valid, c.valid_split), alike=True)
             self._say(self._describe_validation())
         if c.valid_data:
-            self.valid = opened(parse_sources([c.valid_data], "--valid-data")[:1])
+            self.valid = opened(parse_sources([c.valid_data], "--valid-data")[:1], "--valid-data")
             self._say(self._describe_validation())
         if isinstance(
             self.stream, MixedStream

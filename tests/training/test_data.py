@@ -106,7 +106,8 @@ def test_chat_data_without_targets_is_refused_and_counted(tmp_path):
         open_stream(str(data), ByteTokenizer(), str(tmp_path / "c"), 64, 1, 300, pack=False)
     data.write_text(json.dumps(user_only) + "\n" + json.dumps({"prompt": "a", "completion": "b"}) + "\n")
     stream = open_stream(str(data), ByteTokenizer(), str(tmp_path / "c"), 64, 1, 300, pack=False)
-    assert stream.notices == [f"--data {data}: 1 of 2 conversations have no token to train on (context only)"]
+    assert stream.notices == [f"data: {data}: a .jsonl file; chat rows, 'messages' (role/content turns)",
+                              f"--data {data}: 1 of 2 conversations have no token to train on (context only)"]  # fmt: skip
 
 
 def test_data_errors_name_the_file(tmp_path):

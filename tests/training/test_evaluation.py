@@ -140,7 +140,7 @@ def test_valid_split_holds_out_the_last_samples(tmp_path, chat):
         (["--eval-at-start"], r"--eval-at-start without --valid-data"),
         (
             ["--valid-data", "/nonexistent/valid.txt"],
-            r"--valid-data '/nonexistent/valid.txt': neither a file nor an indexed dataset",
+            r"--valid-data '/nonexistent/valid.txt': neither a file, a folder, an indexed dataset",
         ),
         (["--valid-data", CORPUS, "--eval-iters", "0"], r"--eval-iters must be >= 1"),
         (["--valid-split", "0.7"], r"--valid-split must be in \[0, 0.5\]"),

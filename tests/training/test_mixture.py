@@ -46,7 +46,7 @@ def test_bad_entries_are_one_error_naming_the_entry(entries, message):
 
 def test_bad_entries_are_refused_before_any_work(tmp_path):
     with pytest.raises(
-        SetupError, match=r"--data 'missing.txt:2': neither a file nor an indexed dataset prefix"
+        SetupError, match=r"--data 'missing.txt:2': neither a file, a folder, an indexed dataset prefix"
     ):
         train_config("--data", TEXT + ":1", "missing.txt:2")
     with pytest.raises(SetupError, match=r"the weight after ':' must be a finite number > 0"):

@@ -236,7 +236,7 @@ def test_start_from_released_weights_under_ep2(tmp_path, source):
     """Each EP rank reads only its experts (from --hf-dir, or from `glm53-convert hf-to-native --ep 2` via
     --load); the first step's loss equals the single-process model's mean loss over the same global batch."""
     from glm53_ds.convert import hf_to_native
-    from glm53_ds.training.data import ByteTokenizer, SampleStream, resolve_dataset
+    from glm53_ds.training.data import ByteTokenizer, open_stream
 
     tiny_hf_checkpoint(tmp_path / "hf")
     if source == "hf-dir":
@@ -248,10 +248,10 @@ def test_start_from_released_weights_under_ep2(tmp_path, source):
     logged = metrics(tmp_path / "run")[0]
 
     model = glm53_ds.load_hf(str(tmp_path / "hf")).eval()
-    prefix = resolve_dataset(
-        os.path.join(ROOT, "data", "tiny_corpus.txt"), ByteTokenizer(), str(tmp_path / "c")
+    corpus = os.path.join(ROOT, "data", "tiny_corpus.txt")
+    stream = open_stream(
+        corpus, ByteTokenizer(), str(tmp_path / "c"), 64, 1234, model.glm.vocab_size, pack=False
     )
-    stream = SampleStream(prefix, 64, 1234, model.glm.vocab_size)
     losses = []
     with torch.no_grad():
         for rank in range(2):
