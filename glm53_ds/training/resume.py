@@ -191,7 +191,7 @@ class ResumeChecks:
         ):  # written before the range was recorded always: unsplit runs read it whole
             held = self.valid.num_samples if c.valid_split and self.valid is not None else 0
             stored["samples"] = [0, self.stream.num_samples + held]
-        if stored["samples"] != self.stream.identity["samples"]:
+        if stored["samples"] != self.stream.identity["samples"] and not self._corpus_changed(stored):
             saved_range, this_range = list(stored["samples"]), list(self.stream.identity["samples"])  # type: ignore[call-overload]
             (a, b), (x, y) = saved_range, this_range
             raise SetupError(
@@ -215,6 +215,12 @@ class ResumeChecks:
                 "samples (use the same --data, --seq-length and --seed, or start from its weights with "
                 "--load-model-only: fresh optimizer state, step 0)"
             )
+
+    def _corpus_changed(self, stored: dict[str, Any]) -> bool:
+        """Whether the checkpoint's corpus is another one (its recorded content fingerprint or size differs): then
+        a different sample range is the data's change, not --valid-split's, and is said as such."""
+        now = self.stream.identity
+        return any(k in stored and stored[k] != now[k] for k in ("fingerprint", "tokens", "rows") if k in now)
 
     def _check_mixture(self, saved: list[dict[str, Any]], now: list[dict[str, Any]]) -> None:
         """A mixture resumes over the same sources (by content, not path), weights and order."""

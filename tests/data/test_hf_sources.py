@@ -141,7 +141,9 @@ def test_workers_build_the_same_cache(tmp_path):
     three = _packed(str(tmp_path / "rows.parquet"), tmp_path / "three", workers=3)
     assert _same_stream(one, three) and one.identity == three.identity
     jsonl = _jsonl(tmp_path / "rows.jsonl", rows)
-    assert _same_stream(_packed(jsonl, tmp_path / "j1", workers=1), _packed(jsonl, tmp_path / "j3", workers=3))
+    assert _same_stream(
+        _packed(jsonl, tmp_path / "j1", workers=1), _packed(jsonl, tmp_path / "j3", workers=3)
+    )
 
 
 def test_columns_are_detected_or_mapped(tmp_path):
@@ -153,13 +155,17 @@ def test_columns_are_detected_or_mapped(tmp_path):
         str(tmp_path / "d.parquet")
     )
     data = str(tmp_path / "d.parquet")
-    with pytest.raises(ValueError, match=r"columns \('dialog', 'id'\) hold none of the shapes.*--data-columns"):
+    with pytest.raises(
+        ValueError, match=r"columns \('dialog', 'id'\) hold none of the shapes.*--data-columns"
+    ):
         _packed(data, tmp_path / "c")
     for columns in (["messages=dialog"], [f"{data}:messages=dialog"]):
         stream = _packed(data, tmp_path / "c", parse_column_map(columns, [data]))
         assert _same_stream(stream, reference)
         assert "from column 'dialog' as 'messages'" in stream.notices[0]
-    with pytest.raises(ValueError, match=r"--data-columns 'other.parquet:messages=dialog': 'other.parquet' is not"):
+    with pytest.raises(
+        ValueError, match=r"--data-columns 'other.parquet:messages=dialog': 'other.parquet' is not"
+    ):
         parse_column_map(["other.parquet:messages=dialog"], [data])
     with pytest.raises(ValueError, match=r"'dialogue' is not a role"):
         parse_column_map(["dialogue=dialog"], [data])
@@ -189,10 +195,14 @@ def test_bad_sources_are_one_line_naming_source_split_row_and_column(tmp_path, m
         _packed(str(tmp_path / "null.parquet"), tmp_path / "c", workers=2)
     rows[3] = {"messages": [{"role": "narrator", "content": "x"}]}
     datasets.DatasetDict(train=ds(rows)).save_to_disk(str(tmp_path / "bad_role"))
-    with pytest.raises(ValueError, match=r"bad_role split train, row 3: messages\[0\] must be .* role is 'narrator'"):
+    with pytest.raises(
+        ValueError, match=r"bad_role split train, row 3: messages\[0\] must be .* role is 'narrator'"
+    ):
         _packed(str(tmp_path / "bad_role"), tmp_path / "c")
     (tmp_path / "sheet.xlsx").write_bytes(b"PK\x03\x04")
-    with pytest.raises(ValueError, match=r"--data '.*sheet.xlsx': not a form --data reads; it takes .*parquet"):
+    with pytest.raises(
+        ValueError, match=r"--data '.*sheet.xlsx': not a form --data reads; it takes .*parquet"
+    ):
         resolve_source(str(tmp_path / "sheet.xlsx"))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty_hub"))
     with pytest.raises(FileNotFoundError, match=r"hf download --repo-type dataset nobody/nothing"):
@@ -202,7 +212,12 @@ def test_bad_sources_are_one_line_naming_source_split_row_and_column(tmp_path, m
 def test_split_and_weight_in_one_entry(tmp_path):
     datasets.DatasetDict(train=datasets.Dataset.from_list(_rows(4))).save_to_disk(str(tmp_path / "dd"))
     a, b = parse_sources([f"{tmp_path / 'dd'}:train:3", f"{tmp_path / 'dd'}:1"])
-    assert (a.path, a.weight, b.path, b.weight) == (f"{tmp_path / 'dd'}:train", "3", str(tmp_path / "dd"), "1")
+    assert (a.path, a.weight, b.path, b.weight) == (
+        f"{tmp_path / 'dd'}:train",
+        "3",
+        str(tmp_path / "dd"),
+        "1",
+    )
     assert resolve_source(a.path).split == "train" and resolve_source(b.path).split == "train"
 
 
@@ -219,7 +234,9 @@ def test_the_cache_is_built_once_and_a_failed_build_is_said_to_its_waiters(tmp_p
     os.makedirs(os.path.dirname(marks))
     holder = _flock(marks + ".lock", lambda _: None)
     holder.__enter__()
-    waiter = threading.Thread(target=build_once, args=(final, lambda: os.path.isdir(final), build, "the cache"))
+    waiter = threading.Thread(
+        target=build_once, args=(final, lambda: os.path.isdir(final), build, "the cache")
+    )
     waiter.start()
     waiter.join(1.0)
     assert waiter.is_alive() and "data: waiting for host" in capsys.readouterr().err
