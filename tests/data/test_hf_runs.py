@@ -12,7 +12,7 @@ import pytest
 
 datasets = pytest.importorskip("datasets")
 
-from tests.cli import ROOT, metrics, module_run, one_error, python_run  # noqa: E402
+from tests.cli import ROOT, deepspeed_run, metrics, module_run, one_error, python_run  # noqa: E402
 
 CHAT = os.path.join(ROOT, "data", "tiny_chat.jsonl")
 
@@ -26,6 +26,7 @@ def _dataset_dict(path, rows_file: str = CHAT, drop: int | None = None) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_a_datasetdict_run_equals_jsonl_resumes_bitwise_and_refuses_changed_data(tmp_path):
     data = _dataset_dict(tmp_path / "dd") + ":train"
     common = [
@@ -56,6 +57,12 @@ def test_a_datasetdict_run_equals_jsonl_resumes_bitwise_and_refuses_changed_data
     assert [[r[k] for k in keys] for r in resumed] == [
         [r[k] for k in keys] for r in metrics(tmp_path / "a")[2:]
     ]
+    # two ranks build the same cache at once (rank 0 builds under the lock, rank 1 waits, both map it): the same steps
+    two = deepspeed_run(2, "--data", data, *common, "--output-dir", str(tmp_path / "two"))
+    assert two.returncode == 0, two.stderr[-3000:]
+    got = [[r[k] for k in keys] for r in metrics(tmp_path / "two")]
+    for mine, single in zip(got, [[r[k] for k in keys] for r in metrics(tmp_path / "a")], strict=True):
+        assert mine[2] == single[2] and abs(mine[0] - single[0]) <= 1e-5 * single[0], (got, single)
     # the same folder, one row fewer: the checkpoint's data is gone
     changed = _dataset_dict(tmp_path / "dd2", drop=5)
     os.rename(tmp_path / "dd", tmp_path / "dd_old")
