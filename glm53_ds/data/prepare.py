@@ -387,6 +387,7 @@ def build_once(final: str, complete: Callable[[], bool], build: Callable[[], Non
                 raise ValueError(failed)
             if builder:
                 _clear_failure(marks)
+                _say_leftovers(final)
                 try:
                     build()
                 except (OSError, ValueError) as e:
@@ -394,6 +395,20 @@ def build_once(final: str, complete: Callable[[], bool], build: Callable[[], Non
                     raise
                 return
         time.sleep(0.5)  # not a builder: the builder has not taken the lock yet
+
+
+def _say_leftovers(final: str) -> None:
+    """Under the lock: the staging directories an earlier build of `final` left when it was killed (it held this
+    lock, so none is live), said in one line with their size; not removed (this run did not make them)."""
+    parent, name = os.path.dirname(final) or ".", os.path.basename(final)
+    left = sorted(os.path.join(parent, e) for e in os.listdir(parent)
+                  if e.startswith((f".{name}.tmp-", f".{name}.work.tmp-")))  # fmt: skip
+    if left:
+        size = sum(
+            os.path.getsize(os.path.join(d, f)) for p in left for d, _, files in os.walk(p) for f in files
+        )
+        print(f"data: {len(left)} unfinished build(s) of {name} left by a killed build ({size / 2**20:.1f} MiB; "
+              f"not whole, never read): {', '.join(left)}; remove them to free the space", file=sys.stderr)  # fmt: skip
 
 
 @contextmanager

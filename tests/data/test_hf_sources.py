@@ -271,3 +271,30 @@ def test_the_cache_is_built_once_and_a_failed_build_is_said_to_its_waiters(tmp_p
     os.waitpid(pid, 0)
     build_once(str(tmp_path / "after"), lambda: os.path.isdir(str(tmp_path / "after")),
                lambda: os.makedirs(str(tmp_path / "after")), "after")  # fmt: skip
+    assert os.path.isdir(str(tmp_path / "after"))
+
+
+def test_a_build_killed_midway_leaves_nothing_that_passes_for_a_cache(tmp_path, capsys):
+    """SIGKILL inside a real build (the chunk files written, the packed rows half-written): nothing is taken for the
+    cache; the next build makes it whole and names what the killed one left."""
+    import signal
+
+    from glm53_ds.training import packing
+
+    rows = _rows(40)
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "rows.parquet"))
+    pid = os.fork()
+    if pid == 0:
+
+        def killed(*args, **kwargs):  # the packer's first row: the staging directory exists, the cache not
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        packing._NpyAppender.append = killed
+        _packed(str(tmp_path / "rows.parquet"), tmp_path / "c", workers=2)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status)
+    assert not [e for e in os.listdir(tmp_path / "c") if e.endswith(".packed")]  # no cache
+    stream = _packed(str(tmp_path / "rows.parquet"), tmp_path / "c")
+    assert _same_stream(stream, _packed(_jsonl(tmp_path / "rows.jsonl", rows), tmp_path / "j"))
+    assert "unfinished build(s) of rows.parquet" in capsys.readouterr().err
