@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import deepspeed
@@ -48,6 +50,7 @@ from .deepspeed_internals import (
 from .fp32_params import Fp32Params
 from .handle import Glm53Engine
 from .mpu import DeepSpeedMpu
+from .nodes import apply_deepspeed_env, choose_socket_interfaces, nodes_in_world
 
 OptimizerArg = torch.optim.Optimizer | Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None
 
@@ -58,9 +61,12 @@ ADAMW_DEFAULTS: dict[str, Any] = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weig
 _LAUNCHER_VARIABLES_SET: list[str] = []
 
 
-def init_distributed() -> None:
+def init_distributed(timeout_s: float | None = None) -> None:
     """torch.distributed through DeepSpeed's launcher environment; a world of one when launched without it (or
-    adopted from an existing world-1 process group, e.g. `glm53_ds.build_model`'s)."""
+    adopted from an existing world-1 process group, e.g. `glm53_ds.build_model`'s). `timeout_s`: how long a
+    collective waits for a peer before it fails (`--dist-timeout`; None: DeepSpeed's default). Across nodes, each
+    node's `.deepspeed_env` and the interface of its collectives first (engine/nodes.py), said by its local
+    rank 0."""
     if dist.is_initialized():
         if dist.get_world_size() == 1:  # DeepSpeed's engine wants the launcher's variables
             for key in ("RANK", "LOCAL_RANK"):
@@ -79,9 +85,15 @@ def init_distributed() -> None:
                 _LAUNCHER_VARIABLES_SET.append(key)
         if not torch.cuda.is_available():
             register_cleanup()
+    if nodes_in_world() > 1:
+        lines = [apply_deepspeed_env(), choose_socket_interfaces(torch.cuda.is_available())]
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            for line in filter(None, lines):
+                print(line, file=sys.stderr, flush=True)
     load_cpu_comm_op()
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     try:
-        deepspeed.init_distributed(dist_backend=default_backend(), verbose=False)
+        deepspeed.init_distributed(dist_backend=default_backend(), verbose=False, **timeout)
     except RuntimeError as e:  # torch's DistNetworkError: the rendezvous port is taken (another job's)
         if "EADDRINUSE" not in str(e) and "address already in use" not in str(e):
             raise

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import re
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -595,6 +596,20 @@ class ParamOptimizerState:
 
 
 # ----------------------------------------------------------------------------- CPU: the shared-memory comm op
+def extensions_dir() -> str:
+    """Where DeepSpeed's JIT ops are built unless TORCH_EXTENSIONS_DIR says: torch's default
+    (`~/.cache/torch_extensions/py311_cpu`) is one directory for every environment of a Python version, so two
+    virtualenvs (or nodes with another torch or DeepSpeed on a shared home) rebuild the op over each other's build,
+    each run waiting minutes; here the directory is keyed by interpreter, torch and DeepSpeed."""
+    import hashlib
+    import sys
+
+    env = hashlib.sha1(os.path.realpath(sys.prefix).encode()).hexdigest()[:8]
+    key = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}-deepspeed{deepspeed.__version__}-{env}"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "torch_extensions", re.sub(r"[^\w.+-]", "_", key))
+
+
 def load_cpu_comm_op() -> None:
     """Load DeepSpeed's CPU shared-memory allreduce op before `deepspeed.init_distributed` does (no-op where the
     accelerator has no such op: CUDA).
@@ -617,6 +632,7 @@ def load_cpu_comm_op() -> None:
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         return
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
     build_dir = _get_build_directory(builder.name, verbose=False)
     os.makedirs(build_dir, exist_ok=True)
     says = int(os.environ.get("LOCAL_RANK", "0")) == 0  # one line per machine, not one per rank

@@ -223,6 +223,10 @@ class TrainConfig:
     deepspeed_config: str | None = option(None, DEEPSPEED, "a DeepSpeed JSON config (ZeRO stage, bf16, ...); "
                                           "batch sizes and clipping must agree with the command line (default: "
                                           "ds_configs' choice by device)", flag="--deepspeed_config", plan=MEMORY)  # fmt: skip
+    dist_timeout: float = option(1800.0, DEEPSPEED, "seconds a collective waits for a rank before the run ends, "
+                                 "naming the ranks and nodes that vanished and the last whole checkpoint (a killed "
+                                 "node is seen at once; a frozen one, a hung GPU or a cut network only after this; "
+                                 "longer than any save or first-step kernel tuning) (default: 1800)", least=1)  # fmt: skip
 
     def lr_at(self, step: int) -> float:
         """Linear warmup to --lr over --warmup steps, then cosine decay to --min-lr at --train-iters."""

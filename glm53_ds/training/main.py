@@ -1,6 +1,6 @@
 """`main`: `deepspeed launch/train.py`'s entry point. The arguments (with a `--config` file's in front of them)
 become the run's `TrainConfig` (training/option_checks.py's `resolve_config`), which a `Trainer` runs; every failure
-becomes one `error:` line and an exit code (2: set-up, 3: training stopped; a stop signal's own code), and a stop
+becomes one `error:` line and an exit code (2: set-up, 3: training stopped, 4: a collective lost its peers; a stop signal's own code), and a stop
 signal says where the run stopped and what survived."""
 
 from __future__ import annotations
@@ -14,11 +14,14 @@ from ..engine import close_distributed
 from .args import build_parser
 from .config import SetupError
 from .option_checks import resolve_config
+from .peers import lost_peers_line
 from .run_file import parse_with_config
 from .run_plan import report_error
 from .step import TrainingStopped
 from .stop_signals import Interrupted, StopSignals, signal_name
 from .trainer import Trainer
+
+LOST_PEERS_EXIT = 4  # a collective lost its peers (a node died or froze)
 
 __all__ = ["main"]
 
@@ -72,9 +75,15 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`Interrupted`)
         return stop.code_of(e)
-    except Exception:  # a collective broken by a peer that stopped first: still the signal's stop
+    except Exception as e:  # a collective broken by a peer that stopped first: still the signal's stop
         if stop.received is None:
-            raise
+            lost = None if trainer is None else lost_peers_line(trainer.heartbeat, e, trainer.running_step,
+                                                                trainer.config.save)  # fmt: skip
+            if lost is None:
+                raise
+            stop.quiet()
+            print(f"\nerror: {lost}", file=sys.stderr, flush=True)
+            os._exit(LOST_PEERS_EXIT)  # no teardown: its collectives would wait on the peers that are gone
         return stop.code_of(Interrupted())
     finally:  # every rank reaches here together: refusals and stops are decided on all ranks alike
         stop.uninstall()

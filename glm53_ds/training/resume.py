@@ -219,6 +219,7 @@ class ResumeChecks:
     def _corpus_changed(self, stored: dict[str, Any]) -> bool:
         """Whether the checkpoint's corpus is another one (its recorded content fingerprint or size differs): then
         a different sample range is the data's change, not --valid-split's, and is said as such."""
+        assert self.stream is not None
         now = self.stream.identity
         return any(k in stored and stored[k] != now[k] for k in ("fingerprint", "tokens", "rows") if k in now)
 

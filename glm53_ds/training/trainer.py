@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -58,6 +59,7 @@ from .metrics import MetricsWriter, WandbRun, loggable, plot_loss
 from .mixture import DataSource, MixedStream, parse_sources, split_validation
 from .model_converters import adapters_of, apply_converters, model_converters
 from .output_dir import claim_output_dir, writer_locks
+from .peers import Heartbeat
 from .resume import ResumeChecks, schedule_record
 from .run_file import write_run_file
 from .run_plan import RunPlan, agreed, model_config, or_setup_error
@@ -110,9 +112,14 @@ class Trainer(ResumeChecks, TrainSteps):
         self.flops: StepFlops | None = None  # the FLOP model of a step (set in setup)
         self.peak_tflops: float | None = None  # the GPU's bf16 peak: --peak-tflops, or known by its name
         self.report = RunReport()  # the periodic lines' interval throughput, the end-of-run summary
+        self.heartbeat: Heartbeat | None = (
+            None  # names the ranks a failed collective lost (training/peers.py)
+        )
 
     def close(self) -> None:
         """Release what the run holds (the engine, the --save and --output-dir locks); every exit path."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         if self._engine is not None:
             self._engine.close()
             self._engine = None
@@ -154,8 +161,11 @@ class Trainer(ResumeChecks, TrainSteps):
         # the layout and batch sizes in the first seconds, before DeepSpeed starts (its op build can take minutes)
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         or_setup_error(lambda: self._check_layout(world, early=True))
-        or_setup_error(init_distributed)
+        or_setup_error(lambda: init_distributed(c.dist_timeout))
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        hosts: list[Any] = [None] * self.world
+        dist.all_gather_object(hosts, socket.gethostname())
+        self.heartbeat = Heartbeat.start_default(hosts)
         if c.load:  # the whole tag checked before anything of it is read
             self.load_tag = or_setup_error(lambda: verify_checkpoint(c.load, c.load_tag), alike=True)
             self.base_only = or_setup_error(self._adapters_against_load, alike=True)

@@ -1,0 +1,145 @@
+"""Several hosts on this machine (tools/fake_nodes.py: network, UTS, PID and mount namespaces, an address on a veth
+pair only): DeepSpeed's own launcher in each node with `--hostfile --no_ssh --node_rank --master_addr`, no
+`*_SOCKET_IFNAME` given. Two nodes train as one node of the same ranks; a node that dies or freezes ends every
+surviving rank within `--dist-timeout`, each with one line naming the vanished node and the last whole checkpoint;
+restarting both nodes resumes from it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from glm53_ds.parallel.state import free_port
+from tests.cli import HANG_TIMEOUT, ROOT, TRAIN, deepspeed_run, metrics
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+from fake_nodes import FakeNodes  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def nodes(request):
+    if os.geteuid() != 0:
+        pytest.skip("making network namespaces needs root")
+    made = FakeNodes(2, name=f"g53t{os.getpid() % 10000}", subnet=200 + os.getpid() % 50)
+    try:
+        made.up()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    yield made
+    made.down()
+
+
+def _launch(
+    nodes: FakeNodes, k: int, hostfile: str, port: int, *args: str, env: dict | None = None
+) -> subprocess.Popen:
+    argv = ["deepspeed", "--hostfile", hostfile, "--no_ssh", "--node_rank", str(k), "--master_addr",
+            nodes.address(0), "--master_port", str(port), TRAIN, *args]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    return subprocess.Popen(nodes.command(k, argv), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
+
+
+def _run_nodes(nodes: FakeNodes, tmp_path, slots: int, *args: str) -> list[str]:
+    hostfile = nodes.hostfile(str(tmp_path), slots)
+    port = free_port()
+    procs = [_launch(nodes, k, hostfile, port, *args) for k in range(nodes.count)]
+    outs = [p.communicate(timeout=HANG_TIMEOUT)[0] for p in procs]
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-4000:]
+    return outs
+
+
+def test_the_interface_to_the_master_is_found_in_a_node(nodes):
+    """In a node whose host name resolves to nothing (gloo would fall back to loopback), the interface that routes
+    to node 0 is chosen; a master address reached only through loopback is one line naming what to set."""
+    probe = ("import os; os.environ['MASTER_ADDR'] = {!r}; from glm53_ds.engine.nodes import choose_socket_interfaces as c; "
+             "print(c(False)); print(os.environ['GLOO_SOCKET_IFNAME'])")  # fmt: skip
+    for k in range(2):
+        out = subprocess.run(nodes.command(k, [sys.executable, "-c", probe.format(nodes.address(0))]), cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.splitlines()  # fmt: skip
+        assert (
+            out[-1] == f"{nodes.name}{k}v"
+            and f"network: node{k}: collectives over {nodes.name}{k}v" in out[0]
+        )
+    bad = subprocess.run(nodes.command(1, [sys.executable, "-c", probe.format("127.0.0.1")]), cwd=ROOT,
+                         capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode != 0 and "reaches it through loopback (127.0.0.1)" in bad.stderr
+    assert "set GLOO_SOCKET_IFNAME to the interface of this host (node1)" in bad.stderr
+
+
+def test_two_nodes_train_as_one_node_and_resume_on_another_layout(nodes, tmp_path):
+    """2 nodes x 2 ranks at EP 2 x SP 2 = 1 node x 4 ranks (losses within 1e-5); its checkpoint resumes on 1 node x
+    2 ranks (EP 2), step 3 as the uninterrupted runs'."""
+    common = ["--ep", "2", "--sp", "2", "--train-iters", "3", "--global-batch-size", "4", "--micro-batch-size", "2",
+              "--dist-timeout", "120"]  # fmt: skip
+    outs = _run_nodes(nodes, tmp_path, 2, *common, "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+                      "--output-dir", str(tmp_path / "two_nodes"))  # fmt: skip
+    assert "network: node1: collectives over" in outs[1]
+    one = deepspeed_run(4, *common, "--output-dir", str(tmp_path / "one_node"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    a, b = metrics(tmp_path / "two_nodes"), metrics(tmp_path / "one_node")
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b, strict=True):
+        assert (
+            abs(x["lm_loss"] - y["lm_loss"]) <= 1e-5 * y["lm_loss"]
+            and abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * y["grad_norm"]
+        )
+    resumed = deepspeed_run(2, "--ep", "2", "--train-iters", "3", "--global-batch-size", "4", "--micro-batch-size",
+                            "2", "--load", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "resumed"))  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (last,) = metrics(tmp_path / "resumed")
+    assert last["step"] == 3 and abs(last["lm_loss"] - a[2]["lm_loss"]) <= 1e-5 * a[2]["lm_loss"]
+
+
+def _kill_node_in_a_step(nodes, tmp_path, how: signal.Signals, timeout: int) -> tuple[list[str], float]:
+    """Both nodes train (1 rank each, a save every 2 steps); once step 3 is logged, `how` goes to every process of
+    node 1; returns node 0's output and how long its ranks took to exit."""
+    hostfile = nodes.hostfile(str(tmp_path), 1)
+    port = free_port()
+    args = ["--ep", "2", "--train-iters", "400", "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+            "--output-dir", str(tmp_path / "run"), "--dist-timeout", str(timeout), "--log-interval", "1"]  # fmt: skip
+    procs = [_launch(nodes, k, hostfile, port, *args) for k in range(2)]
+    begun = time.time()
+    while not (tmp_path / "ckpt" / "latest").exists() or len(_records(tmp_path / "run")) < 3:
+        assert time.time() - begun < 600 and procs[0].poll() is None, "the run did not reach step 3"
+        time.sleep(0.2)
+    os.killpg(procs[1].pid, how)  # the node's whole session: its launcher and ranks
+    killed = time.time()
+    out = procs[0].communicate(timeout=timeout + 120)[0]
+    took = time.time() - killed
+    if how == signal.SIGSTOP:
+        os.killpg(procs[1].pid, signal.SIGKILL)
+    procs[1].communicate()
+    return [out], took
+
+
+def _records(output_dir) -> list:
+    try:
+        return metrics(output_dir)
+    except (OSError, ValueError):
+        return []
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+def test_a_lost_node_ends_the_run_in_bounded_time_and_the_nodes_resume(nodes, tmp_path, how):
+    timeout = 20
+    (out,), took = _kill_node_in_a_step(nodes, tmp_path, how, timeout)
+    errors = [line for line in out.splitlines() if "error: " in line]
+    assert errors and all("node node1 (ranks 1) vanished" in e for e in errors), out[-4000:]
+    assert all(f"the last whole checkpoint is {tmp_path / 'ckpt'}/step" in e for e in errors), errors
+    assert "Traceback" not in out, out[-4000:]
+    assert took < timeout + 30, took
+    latest = (tmp_path / "ckpt" / "latest").read_text().strip()
+    # restart both nodes: they resume from the whole checkpoint and train on
+    step = int(latest.removeprefix("step"))
+    outs = _run_nodes(nodes, tmp_path, 1, "--ep", "2", "--train-iters", str(step + 1), "--load", str(tmp_path / "ckpt"),
+                      "--output-dir", str(tmp_path / "again"))  # fmt: skip
+    assert [r["step"] for r in metrics(tmp_path / "again")] == [step + 1], outs[0][-3000:]
