@@ -90,9 +90,11 @@ class FakeNodes:
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
         self.made.clear()
 
-    def command(self, k: int, argv: Sequence[str]) -> list[str]:
-        """`argv` run as node k: its network, host name `node<k>`, PID namespace and its own /dev/shm."""
-        inner = (f"hostname node{k} && mount -t tmpfs -o size=2g tmpfs /dev/shm && exec "
+    def command(self, k: int, argv: Sequence[str], local: Sequence[str] = ()) -> list[str]:
+        """`argv` run as node k: its network, host name `node<k>`, PID namespace and its own /dev/shm; each path of
+        `local` (existing directories) replaced by an empty one of this node only (a node-local mount)."""
+        mounts = "".join(f"mount -t tmpfs tmpfs {shlex.quote(p)} && " for p in local)
+        inner = (f"hostname node{k} && mount -t tmpfs -o size=2g tmpfs /dev/shm && {mounts}exec "
                  + " ".join(shlex.quote(a) for a in argv))  # fmt: skip
         return ["ip", "netns", "exec", self.namespace(k), "unshare", "--uts", "--pid", "--fork", "--mount-proc",
                 "--propagation", "private", "sh", "-c", inner]  # fmt: skip

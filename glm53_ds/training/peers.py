@@ -12,6 +12,7 @@ until every rank has either written after the failure (alive) or stayed silent f
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -55,10 +56,13 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._beat, name="glm53-heartbeat", daemon=True)
 
     @classmethod
-    def start_default(cls, hosts: Sequence[str]) -> Heartbeat | None:
-        """On the default process group's store (None for a world of one or without a store)."""
+    def start_default(cls) -> Heartbeat | None:
+        """On the default process group's store, every rank's host gathered (None for a world of one or without a
+        store). Collective."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return None
+        hosts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, socket.gethostname())
         try:
             store = dist.distributed_c10d._get_default_store()  # the rendezvous store; no public accessor
         except (RuntimeError, AttributeError, ValueError):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -65,6 +64,7 @@ from .run_file import write_run_file
 from .run_plan import RunPlan, agreed, model_config, or_setup_error
 from .run_report import RunReport, kernels_line
 from .samples import Prompt, fit_prompts, generate_samples, read_prompts
+from .shared_storage import check_shared_storage
 from .state import TrainingState, prune_checkpoints
 from .step import TrainingStopped, TrainSteps
 
@@ -163,9 +163,7 @@ class Trainer(ResumeChecks, TrainSteps):
         or_setup_error(lambda: self._check_layout(world, early=True))
         or_setup_error(lambda: init_distributed(c.dist_timeout))
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
-        hosts: list[Any] = [None] * self.world
-        dist.all_gather_object(hosts, socket.gethostname())
-        self.heartbeat = Heartbeat.start_default(hosts)
+        self.heartbeat = Heartbeat.start_default()  # collective: every rank's host
         if c.load:  # the whole tag checked before anything of it is read
             self.load_tag = or_setup_error(lambda: verify_checkpoint(c.load, c.load_tag), alike=True)
             self.base_only = or_setup_error(self._adapters_against_load, alike=True)
@@ -201,6 +199,9 @@ class Trainer(ResumeChecks, TrainSteps):
             notice = agreed(lambda lock=lock: lock.acquire() if self.rank == 0 else None)
             if notice:
                 print(notice, file=sys.stderr)
+        shared = [("--save", c.save), ("--output-dir", c.output_dir), ("--data-cache", cache_dir)]
+        or_setup_error(lambda: check_shared_storage([(o, d) for o, d in shared if d],
+                                                    [("--hf-dir", c.hf_dir)] if c.hf_dir else []), alike=True)  # fmt: skip
         self.stream = opened(sources)
         if self.rank == 0:
             for notice in self.stream.notices:

@@ -36,14 +36,13 @@ def nodes(request):
     made.down()
 
 
-def _launch(
-    nodes: FakeNodes, k: int, hostfile: str, port: int, *args: str, env: dict | None = None
-) -> subprocess.Popen:
+def _launch(nodes: FakeNodes, k: int, hostfile: str, port: int, *args: str, env: dict | None = None,
+            local: tuple[str, ...] = ()) -> subprocess.Popen:  # fmt: skip
     argv = ["deepspeed", "--hostfile", hostfile, "--no_ssh", "--node_rank", str(k), "--master_addr",
             nodes.address(0), "--master_port", str(port), TRAIN, *args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     env.pop("GLOO_SOCKET_IFNAME", None)
-    return subprocess.Popen(nodes.command(k, argv), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    return subprocess.Popen(nodes.command(k, argv, local), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)  # fmt: skip
 
 
@@ -73,6 +72,35 @@ def test_the_interface_to_the_master_is_found_in_a_node(nodes):
                          capture_output=True, text=True)  # fmt: skip
     assert bad.returncode != 0 and "reaches it through loopback (127.0.0.1)" in bad.stderr
     assert "set GLOO_SOCKET_IFNAME to the interface of this host (node1)" in bad.stderr
+
+
+def test_a_node_local_save_is_refused_before_any_work(nodes, tmp_path):
+    """--save is a directory of node 1's own on that node (a local disk at the same path): one line naming node1
+    and the path, on every node, before the model is built."""
+    (tmp_path / "ckpt").mkdir()
+    hostfile = nodes.hostfile(str(tmp_path), 1)
+    port = free_port()
+    args = [
+        "--ep",
+        "2",
+        "--train-iters",
+        "2",
+        "--save",
+        str(tmp_path / "ckpt"),
+        "--output-dir",
+        str(tmp_path / "o"),
+    ]
+    procs = [
+        _launch(nodes, k, hostfile, port, *args, local=(str(tmp_path / "ckpt"),) if k else ())
+        for k in range(2)
+    ]
+    outs = [p.communicate(timeout=HANG_TIMEOUT)[0] for p in procs]
+    errors = [line for line in outs[0].splitlines() if "error: " in line]
+    assert (
+        len(errors) == 1
+        and f"--save '{tmp_path / 'ckpt'}': node node1 (rank 1) sees no file node 0 wrote" in errors[0]
+    ), outs
+    assert "kernels:" not in outs[0] and not os.listdir(tmp_path / "ckpt")
 
 
 def test_two_nodes_train_as_one_node_and_resume_on_another_layout(nodes, tmp_path):
