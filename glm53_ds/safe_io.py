@@ -309,6 +309,15 @@ def disk_full_said(directory: str, staging: str, what: str) -> Iterator[None]:
 LOCK_FILE = ".glm53-writer.lock"
 
 
+def _boot_id() -> str | None:
+    """This boot of this host's kernel (Linux), recorded with a pid: after a reboot the pid is another process's."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def _process_start(pid: int) -> str | None:
     """The kernel's start time of process `pid` (Linux /proc), so that a reused pid is not taken for the writer."""
     try:
@@ -340,7 +349,7 @@ _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
 class DirectoryLock:
-    """An exclusive writer's lock on a directory: `<dir>/.glm53-writer.lock`, holding the writer's host, pid,
+    """An exclusive writer's lock on a directory: `<dir>/.glm53-writer.lock`, holding the writer's host, boot id, pid,
     process start time and a run id (for the messages).
 
     The lock itself is the kernel's `flock` on that file, held for the run and dropped by the kernel when the
@@ -361,7 +370,7 @@ class DirectoryLock:
         self._fd: int | None = None
 
     def _record(self) -> dict[str, object]:
-        return dict(host=socket.gethostname(), pid=os.getpid(), started=_process_start(os.getpid()),
+        return dict(host=socket.gethostname(), boot=_boot_id(), pid=os.getpid(), started=_process_start(os.getpid()),
                     run=self.run_id, since=time.strftime("%Y-%m-%d %H:%M:%S"))  # fmt: skip
 
     def _owner(self) -> dict[str, object]:
@@ -430,10 +439,13 @@ class DirectoryLock:
         if host != socket.gethostname():
             self._refuse(owner, "The file was left by a run on another host; if that run is gone, remove the "
                                 "lock file")  # fmt: skip
-        if isinstance(pid, int) and _running(pid, owner.get("started")):  # type: ignore[arg-type]
+        rebooted = owner.get("boot") not in (None, _boot_id())  # its pid and start time mean nothing now
+        if not rebooted and isinstance(pid, int) and _running(pid, owner.get("started")):  # type: ignore[arg-type]
             self._refuse(owner)  # alive without the flock: a writer of an older glm53_ds
-        why = "no longer running"
-        if isinstance(pid, int) and _pid_exists(pid):  # the pid runs again, started at another time
+        why = "this host has rebooted since" if rebooted else "no longer running"
+        if (
+            not rebooted and isinstance(pid, int) and _pid_exists(pid)
+        ):  # the pid runs again, started at another time
             why = "its pid now belongs to another process, started after that run"
         return f"{self.option}: took over the stale lock of pid {pid} on {host} ({why}): {self.path}"
 

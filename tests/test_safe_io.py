@@ -140,6 +140,16 @@ def test_the_writer_lock_and_its_stale_rule(tmp_path):
     with pytest.raises(safe_io.OutputPathError, match="host another-node"):
         safe_io.DirectoryLock(str(tmp_path), "--save").acquire()
     assert json.loads(lock_path.read_text())["run"] == "y"  # refused: left as it was
+    # this host's record from before a reboot: its pid (this very process, running) means nothing now; control: the
+    # same record of this boot is a live writer, refused
+    assert owner["boot"] == safe_io._boot_id() is not None
+    lock_path.write_text(json.dumps(dict(owner, pid=os.getpid(), run="b")))
+    with pytest.raises(safe_io.OutputPathError, match=f"pid {os.getpid()}"):
+        safe_io.DirectoryLock(str(tmp_path), "--save").acquire()
+    lock_path.write_text(json.dumps(dict(owner, pid=os.getpid(), boot="an-earlier-boot", run="b")))
+    after = safe_io.DirectoryLock(str(tmp_path), "--save")
+    assert "this host has rebooted since" in (after.acquire() or "")
+    after.release()
 
 
 _CONTENDER = """
