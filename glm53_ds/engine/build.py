@@ -92,6 +92,10 @@ def init_distributed(timeout_s: float | None = None) -> None:
                 print(line, file=sys.stderr, flush=True)
     load_cpu_comm_op()
     timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    if (
+        timeout_s is not None
+    ):  # groups made later without a timeout (DeepSpeed's expert groups) get this one too
+        set_default_group_timeout(timedelta(seconds=timeout_s))
     try:
         deepspeed.init_distributed(dist_backend=default_backend(), verbose=False, **timeout)
     except RuntimeError as e:  # torch's DistNetworkError: the rendezvous port is taken (another job's)
@@ -103,6 +107,17 @@ def init_distributed(timeout_s: float | None = None) -> None:
             f"job on this machine?); give each job its own: deepspeed --master_port {int(port) + 1 if port.isdigit() else 29501} ... "
             "(docs/usage.md, 'Two jobs on one machine')"
         ) from None
+
+
+def set_default_group_timeout(timeout: timedelta) -> None:
+    """torch gives a process group made without a timeout its module default (30 minutes), not the world's: so a
+    group made by a library (DeepSpeed's expert groups call `new_group(ranks)`) would wait 30 minutes on a frozen
+    node whatever `--dist-timeout` says. The default itself is set (torch reads it at each `new_group`)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timeout
+    if hasattr(c10d, "default_pg_nccl_timeout"):
+        c10d.default_pg_nccl_timeout = timeout
 
 
 def close_distributed() -> None:

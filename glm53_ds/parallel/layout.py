@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -137,7 +138,9 @@ def check_sequence_parallel_config(cfg: Glm53Config, sp: int) -> None:
                              "attention heads after its all-to-all)")  # fmt: skip
 
 
-def _new_groups(world: int, key: Callable[[int], tuple[int, ...]]) -> tuple[dist.ProcessGroup, list[int]]:
+def _new_groups(
+    world: int, key: Callable[[int], tuple[int, ...]], timeout: timedelta | None = None
+) -> tuple[dist.ProcessGroup, list[int]]:
     """One group per value of key(rank), created on every rank in the same order (new_group is collective);
     returns this rank's group and its ranks."""
     buckets: dict[tuple[int, ...], list[int]] = {}
@@ -145,15 +148,18 @@ def _new_groups(world: int, key: Callable[[int], tuple[int, ...]]) -> tuple[dist
         buckets.setdefault(key(r), []).append(r)
     mine: tuple[dist.ProcessGroup, list[int]] | None = None
     for _, ranks in sorted(buckets.items()):
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if dist.get_rank() in ranks:
             mine = (group, ranks)
     assert mine is not None
     return mine
 
 
-def init_layout(ep: int = 1, etp: int = 1, cfg: Glm53Config | None = None, sp: int = 1) -> ParallelLayout:
-    """Process groups for ETP x EP x SP over the current world (collective: every rank calls it)."""
+def init_layout(
+    ep: int = 1, etp: int = 1, cfg: Glm53Config | None = None, sp: int = 1, timeout: timedelta | None = None
+) -> ParallelLayout:
+    """Process groups for ETP x EP x SP over the current world (collective: every rank calls it). `timeout`: how
+    long each group's collectives wait for a rank (`--dist-timeout`; None: megatron's and torch's 30 minutes)."""
     if not dist.is_initialized():
         raise RuntimeError(
             "init_layout(): initialise torch.distributed first (glm53_ds.engine.init_distributed)"
@@ -171,6 +177,7 @@ def init_layout(ep: int = 1, etp: int = 1, cfg: Glm53Config | None = None, sp: i
         # nothing here uses megatron's gloo copies of its groups (and a shape-only dry run's fake backend,
         # plan/dry_run.py, cannot build them)
         create_gloo_process_groups=False,
+        distributed_timeout_minutes=timeout.total_seconds() / 60 if timeout else 30,  # a float works
     )
     etp_group = parallel_state.get_expert_tensor_parallel_group()
     etp_ranks = dist.get_process_group_ranks(etp_group)
@@ -180,12 +187,12 @@ def init_layout(ep: int = 1, etp: int = 1, cfg: Glm53Config | None = None, sp: i
                            f"expected ranks {first}..{first + etp - 1} (ETP fastest)")  # fmt: skip
     # The data-parallel groups: the ranks sharing an ETP rank (the "columns" of the ETP groups), created on every
     # rank in the same order (new_group is collective).
-    dp_group, dp_ranks = _new_groups(world, lambda r: (r % etp,))
+    dp_group, dp_ranks = _new_groups(world, lambda r: (r % etp,), timeout)
     sp_group, sp_ranks, pure_dp_group, pure_dp_ranks = None, [dist.get_rank()], dp_group, dp_ranks
     if sp > 1:
         # SP: same ETP and DP coordinates; pure DP: same ETP and SP coordinates
-        sp_group, sp_ranks = _new_groups(world, lambda r: (r % etp, r // (etp * sp)))
-        pure_dp_group, pure_dp_ranks = _new_groups(world, lambda r: (r % etp, (r // etp) % sp))
+        sp_group, sp_ranks = _new_groups(world, lambda r: (r % etp, r // (etp * sp)), timeout)
+        pure_dp_group, pure_dp_ranks = _new_groups(world, lambda r: (r % etp, (r // etp) % sp), timeout)
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     pg_collection.sp = sp_group
     return ParallelLayout(

@@ -19,6 +19,7 @@ import dataclasses
 import os
 import sys
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -232,7 +233,7 @@ class Trainer(ResumeChecks, TrainSteps):
                 base_dir, base_tag = self.base_checkpoint
                 agreed(lambda: check_checkpoint_fits(base_dir, base_tag, cfg, here, model_only=True))
 
-        self.layout = init_layout(c.ep, c.etp, cfg, sp=c.sp)
+        self.layout = init_layout(c.ep, c.etp, cfg, sp=c.sp, timeout=timedelta(seconds=c.dist_timeout))
         model = agreed(self._build_model)  # a damaged --hf-dir file found by one rank is said once, naming it
         self._say(kernels_line(model, torch.device("cuda" if torch.cuda.is_available() else "cpu")))
         self.flops = step_flops(

@@ -20,8 +20,6 @@ from tests.cli import HANG_TIMEOUT, ROOT, TRAIN, deepspeed_run, metrics
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 from fake_nodes import FakeNodes  # noqa: E402
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture
 def nodes(request):
@@ -32,7 +30,14 @@ def nodes(request):
         made.up()
     except RuntimeError as e:
         pytest.skip(str(e))
+    made.started = []  # type: ignore[attr-defined]
     yield made
+    for proc in made.started:  # type: ignore[attr-defined]  # whatever a failed test left running
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
     made.down()
 
 
@@ -42,8 +47,10 @@ def _launch(nodes: FakeNodes, k: int, hostfile: str, port: int, *args: str, env:
             nodes.address(0), "--master_port", str(port), TRAIN, *args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     env.pop("GLOO_SOCKET_IFNAME", None)
-    return subprocess.Popen(nodes.command(k, argv, local), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(nodes.command(k, argv, local), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    getattr(nodes, "started", []).append(proc)
+    return proc
 
 
 def _run_nodes(nodes: FakeNodes, tmp_path, slots: int, *args: str) -> list[str]:
@@ -59,21 +66,25 @@ def _run_nodes(nodes: FakeNodes, tmp_path, slots: int, *args: str) -> list[str]:
 def test_the_interface_to_the_master_is_found_in_a_node(nodes):
     """In a node whose host name resolves to nothing (gloo would fall back to loopback), the interface that routes
     to node 0 is chosen; a master address reached only through loopback is one line naming what to set."""
-    probe = ("import os; os.environ['MASTER_ADDR'] = {!r}; from glm53_ds.engine.nodes import choose_socket_interfaces as c; "
-             "print(c(False)); print(os.environ['GLOO_SOCKET_IFNAME'])")  # fmt: skip
+    probe = ("import importlib.util, os, sys; os.environ['MASTER_ADDR'] = {!r}; "
+             "spec = importlib.util.spec_from_file_location('nodes', sys.argv[1]); "
+             "nodes = importlib.util.module_from_spec(spec); spec.loader.exec_module(nodes); "
+             "print(nodes.choose_socket_interfaces(False)); print(os.environ['GLOO_SOCKET_IFNAME'])")  # fmt: skip
+    module = os.path.join(ROOT, "glm53_ds", "engine", "nodes.py")  # alone: no torch to import in each node
     for k in range(2):
-        out = subprocess.run(nodes.command(k, [sys.executable, "-c", probe.format(nodes.address(0))]), cwd=ROOT,
+        out = subprocess.run(nodes.command(k, [sys.executable, "-c", probe.format(nodes.address(0)), module]), cwd=ROOT,
                              capture_output=True, text=True, check=True).stdout.splitlines()  # fmt: skip
         assert (
             out[-1] == f"{nodes.name}{k}v"
             and f"network: node{k}: collectives over {nodes.name}{k}v" in out[0]
         )
-    bad = subprocess.run(nodes.command(1, [sys.executable, "-c", probe.format("127.0.0.1")]), cwd=ROOT,
+    bad = subprocess.run(nodes.command(1, [sys.executable, "-c", probe.format("127.0.0.1"), module]), cwd=ROOT,
                          capture_output=True, text=True)  # fmt: skip
     assert bad.returncode != 0 and "reaches it through loopback (127.0.0.1)" in bad.stderr
     assert "set GLOO_SOCKET_IFNAME to the interface of this host (node1)" in bad.stderr
 
 
+@pytest.mark.slow
 def test_a_node_local_save_is_refused_before_any_work(nodes, tmp_path):
     """--save is a directory of node 1's own on that node (a local disk at the same path): one line naming node1
     and the path, on every node, before the model is built."""
@@ -103,6 +114,7 @@ def test_a_node_local_save_is_refused_before_any_work(nodes, tmp_path):
     assert "kernels:" not in outs[0] and not os.listdir(tmp_path / "ckpt")
 
 
+@pytest.mark.slow
 def test_two_nodes_train_as_one_node_and_resume_on_another_layout(nodes, tmp_path):
     """2 nodes x 2 ranks at EP 2 x SP 2 = 1 node x 4 ranks (losses within 1e-5); its checkpoint resumes on 1 node x
     2 ranks (EP 2), step 3 as the uninterrupted runs'."""
@@ -156,6 +168,7 @@ def _records(output_dir) -> list:
         return []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
 def test_a_lost_node_ends_the_run_in_bounded_time_and_the_nodes_resume(nodes, tmp_path, how):
     timeout = 20
