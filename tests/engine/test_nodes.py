@@ -133,7 +133,7 @@ def test_two_nodes_train_as_one_node_and_resume_on_another_layout(nodes, tmp_pat
             and abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * y["grad_norm"]
         )
     resumed = deepspeed_run(2, "--ep", "2", "--train-iters", "3", "--global-batch-size", "4", "--micro-batch-size",
-                            "2", "--load", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "resumed"))  # fmt: skip
+                            "2", "--load", str(tmp_path / "ckpt"), "--load-tag", "step2", "--output-dir", str(tmp_path / "resumed"))  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     (last,) = metrics(tmp_path / "resumed")
     assert last["step"] == 3 and abs(last["lm_loss"] - a[2]["lm_loss"]) <= 1e-5 * a[2]["lm_loss"]
@@ -171,16 +171,19 @@ def _records(output_dir) -> list:
 @pytest.mark.slow
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
 def test_a_lost_node_ends_the_run_in_bounded_time_and_the_nodes_resume(nodes, tmp_path, how):
-    timeout = 20
+    """Killed: seen at once. Frozen (SIGSTOP: a hung GPU, a cut network): seen after --dist-timeout. Either way every
+    surviving rank exits with one line naming node1 and the last whole checkpoint, no traceback; after the kill,
+    restarting both nodes resumes from `latest`."""
+    timeout = 10
     (out,), took = _kill_node_in_a_step(nodes, tmp_path, how, timeout)
     errors = [line for line in out.splitlines() if "error: " in line]
     assert errors and all("node node1 (ranks 1) vanished" in e for e in errors), out[-4000:]
     assert all(f"the last whole checkpoint is {tmp_path / 'ckpt'}/step" in e for e in errors), errors
     assert "Traceback" not in out, out[-4000:]
     assert took < timeout + 30, took
-    latest = (tmp_path / "ckpt" / "latest").read_text().strip()
-    # restart both nodes: they resume from the whole checkpoint and train on
-    step = int(latest.removeprefix("step"))
+    if how == signal.SIGSTOP:
+        return
+    step = int((tmp_path / "ckpt" / "latest").read_text().strip().removeprefix("step"))
     outs = _run_nodes(nodes, tmp_path, 1, "--ep", "2", "--train-iters", str(step + 1), "--load", str(tmp_path / "ckpt"),
                       "--output-dir", str(tmp_path / "again"))  # fmt: skip
     assert [r["step"] for r in metrics(tmp_path / "again")] == [step + 1], outs[0][-3000:]
