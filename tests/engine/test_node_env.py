@@ -89,3 +89,26 @@ def test_the_heartbeat_names_the_silent_node_and_the_last_checkpoint(tmp_path):
         b.stop()
     assert is_peer_loss(RuntimeError("Timed out waiting 20000ms for recv operation to complete"))
     assert ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+
+
+def test_the_slurm_node_script_launches_each_node_without_ssh(tmp_path):
+    """launch/slurm_node.sh as srun runs it on each node (scontrol and deepspeed stand-ins on PATH): node 0 writes
+    the allocation's hostfile, every node runs DeepSpeed's launcher with --no_ssh, its SLURM_NODEID and node 0."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'gpu01\\ngpu02\\n'\n")
+    (bin_dir / "deepspeed").write_text('#!/bin/sh\necho "deepspeed $*"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu[01-02]",
+           "GLM53_HOSTFILE": str(tmp_path / "hostfile"), "GPUS_PER_NODE": "4"}  # fmt: skip
+    script = os.path.join(root, "launch", "slurm_node.sh")
+    outs = [subprocess.run([script, "--ep", "8"], env={**env, "SLURM_NODEID": str(k)}, capture_output=True,
+                           text=True, check=True, timeout=60).stdout.strip() for k in (0, 1)]  # fmt: skip
+    assert (tmp_path / "hostfile").read_text() == "gpu01 slots=4\ngpu02 slots=4\n"
+    for k, out in enumerate(outs):
+        assert out == (f"deepspeed --hostfile {tmp_path / 'hostfile'} --no_ssh --node_rank {k} --master_addr gpu01 "
+                       "--master_port 29500 launch/train.py --ep 8")  # fmt: skip
