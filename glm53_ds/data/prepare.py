@@ -45,7 +45,10 @@ JSONL_CHUNK_BYTES = 4 << 20
 def default_workers() -> int:
     """`--data-workers` by default: this rank's share of the CPU cores it may run on."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    ranks_here = (
+        os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or "1"
+    )  # DeepSpeed's, torchrun's
+    return max(1, cores // max(1, int(ranks_here)))
 
 
 # ----------------------------------------------------------------------------- what a source holds

@@ -298,3 +298,14 @@ def test_a_build_killed_midway_leaves_nothing_that_passes_for_a_cache(tmp_path, 
     stream = _packed(str(tmp_path / "rows.parquet"), tmp_path / "c")
     assert _same_stream(stream, _packed(_jsonl(tmp_path / "rows.jsonl", rows), tmp_path / "j"))
     assert "unfinished build(s) of rows.parquet" in capsys.readouterr().err
+
+
+def test_default_workers_are_one_ranks_share_of_the_node(monkeypatch):
+    from glm53_ds.data.prepare import default_workers
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # DeepSpeed's launcher: ranks on this node
+    assert default_workers() == max(1, cores // 2)
+    monkeypatch.delenv("LOCAL_SIZE")
+    assert default_workers() == cores
