@@ -20,6 +20,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..checkpoint.directory import has_latest, latest_tag
+
 PERIOD = 2.0  # seconds between heartbeats
 KEY = "glm53/heartbeat/{}"
 
@@ -130,9 +132,8 @@ def lost_peers_line(
     who = heartbeat.vanished(failed_at)
     where = f" in step {step + 1}" if step is not None else ""
     last = "no checkpoint was saved (no --save)" if not save else "no whole checkpoint yet in --save"
-    if save and os.path.isfile(os.path.join(save, "latest")):
-        with open(os.path.join(save, "latest"), encoding="utf-8") as f:
-            tag = f.read().strip()
+    if save and has_latest(save):
+        tag = latest_tag(save)
         last = f"the last whole checkpoint is {os.path.join(save, tag)} ('latest'); restart every node with --load {save} to resume from it"  # fmt: skip
     cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
     return f"rank {heartbeat.rank} ({heartbeat.hosts[heartbeat.rank]}): a collective failed{where}: {who}; {last} [{cause}]"
