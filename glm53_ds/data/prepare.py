@@ -93,9 +93,7 @@ def load_rows(source: Source, cache_dir: str, workers: int = 1, streaming: bool 
         if source.builder:
             return datasets.load_dataset(source.builder, data_files=list(source.files), **kwargs)
         return datasets.load_dataset(source.path, **kwargs)
-    except (OSError, ValueError, TypeError, KeyError, ImportError) as e:
-        raise ValueError(f"{where}: datasets cannot read it ({type(e).__name__}: {_first_line(e)})") from e
-    except Exception as e:  # noqa: BLE001 - datasets' and pyarrow's own error types (cast, parse, ...)
+    except Exception as e:  # noqa: BLE001 - datasets' and pyarrow's own error types (cast, parse, ...) too
         raise ValueError(f"{where}: datasets cannot read it ({type(e).__name__}: {_first_line(e)})") from e
 
 

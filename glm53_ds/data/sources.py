@@ -99,7 +99,7 @@ def fingerprint(source: Source) -> str:
                 f"{os.path.relpath(f, source.path)}|{os.path.basename(os.path.realpath(f))}|".encode()
             )
         return digest.hexdigest()
-    if len(source.files) == 1:
+    if source.kind != "rows" or len(source.files) == 1:  # a file, or an indexed prefix's .idx + .bin
         return content_hash(source.files)
     whole = max(64 << 20, SOURCE_HASH_BUDGET // len(source.files))
     names = "|".join(os.path.relpath(f, source.path) if os.path.isdir(source.path) else os.path.basename(f)

@@ -169,11 +169,7 @@ NO_COLUMNS, ONE_BUILDER = ColumnMap(), Building()  # no --data-columns; this pro
 
 def _cache_name(source: Source) -> str:
     """A readable name for the source's caches: the file's or folder's name (the hub id for a hub dataset)."""
-    name = (
-        source.entry.rpartition(":")[0]
-        if source.split and source.entry.endswith(f":{source.split}")
-        else source.entry
-    )
+    name = source.entry.removesuffix(f":{source.split}") if source.split else source.entry
     name = name.replace("/", "--") if source.hub else os.path.basename(name.rstrip("/")) or "data"
     return re.sub(r"[^\w.+-]", "_", name)[:80] + (f".{source.split}" if source.split else "")
 
@@ -184,8 +180,7 @@ class OpenedSource:
     def __init__(self, path: str, columns: ColumnMap, cache_dir: str, option: str = "--data") -> None:
         self.source = resolve_source(path, option)
         self.inspected = inspect_source(self.source, columns, cache_dir)
-        kind = self.source.kind
-        self.fingerprint = content_hash(self.source.files) if kind == "indexed" else fingerprint(self.source)
+        self.fingerprint = fingerprint(self.source)
         mapped = ",".join(f"{role}={column}" for role, column in sorted(self.inspected.mapping.items()))
         # none for a .jsonl read under its own names: the keys of earlier runs' caches
         self.extras = [x for x in (self.source.split and f"split={self.source.split}", mapped and f"columns={mapped}") if x]  # fmt: skip
