@@ -35,6 +35,7 @@ from ..compat.deepspeed_shm import register_cleanup
 from ..layers.moe import Glm53MoE
 from ..parallel.layout import ParallelLayout, init_layout
 from ..parallel.params import is_expert_param
+from ..parallel.rank_order import renumber_by_node
 from ..parallel.state import default_backend, free_port
 from .deepspeed_internals import (
     DeepSpeedMoEMarker,
@@ -50,7 +51,7 @@ from .deepspeed_internals import (
 from .fp32_params import Fp32Params
 from .handle import Glm53Engine
 from .mpu import DeepSpeedMpu
-from .nodes import apply_deepspeed_env, choose_socket_interfaces, nodes_in_world
+from .nodes import apply_deepspeed_env, choose_socket_interfaces, may_span_nodes
 
 OptimizerArg = torch.optim.Optimizer | Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None
 
@@ -85,19 +86,32 @@ def init_distributed(timeout_s: float | None = None) -> None:
                 _LAUNCHER_VARIABLES_SET.append(key)
         if not torch.cuda.is_available():
             register_cleanup()
-    if nodes_in_world() > 1:
+    several_nodes = may_span_nodes()
+    if several_nodes:
         lines = [apply_deepspeed_env(), choose_socket_interfaces(torch.cuda.is_available())]
         if os.environ.get("LOCAL_RANK", "0") == "0":
             for line in filter(None, lines):
                 print(line, file=sys.stderr, flush=True)
     load_cpu_comm_op()
-    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     if (
-        timeout_s is not None
+        timeout is not None
     ):  # groups made later without a timeout (DeepSpeed's expert groups) get this one too
-        set_default_group_timeout(timedelta(seconds=timeout_s))
+        set_default_group_timeout(timeout)
     try:
-        deepspeed.init_distributed(dist_backend=default_backend(), verbose=False, **timeout)
+        if several_nodes and not dist.is_initialized():
+            # the world first, as DeepSpeed would make it, then renumbered node by node where the launcher did not
+            # (parallel/rank_order.py); DeepSpeed adopts the result
+            kwargs: dict[str, Any] = {"timeout": timeout} if timeout else {}
+            if torch.cuda.is_available():  # as DeepSpeed's TorchBackend binds it
+                kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(default_backend(), init_method="env://", **kwargs)
+            renumbered = renumber_by_node(**kwargs)
+            if renumbered and dist.get_rank() == 0:
+                print(renumbered, file=sys.stderr, flush=True)
+        deepspeed.init_distributed(
+            dist_backend=default_backend(), verbose=False, **({"timeout": timeout} if timeout else {})
+        )
     except RuntimeError as e:  # torch's DistNetworkError: the rendezvous port is taken (another job's)
         if "EADDRINUSE" not in str(e) and "address already in use" not in str(e):
             raise

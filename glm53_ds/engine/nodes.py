@@ -10,8 +10,8 @@
   when it starts the nodes over ssh; under `--no_ssh` (one launcher per node: Kubernetes, Slurm) it is applied here,
   the same way, and said.
 
-Nothing here imports DeepSpeed; `engine/build.init_distributed` calls it for a world of several nodes
-(`CROSS_SIZE`, which DeepSpeed's launcher sets, > 1).
+Nothing here imports DeepSpeed; `engine/build.init_distributed` calls it for a world that may span nodes
+(`may_span_nodes`).
 """
 
 from __future__ import annotations
@@ -23,12 +23,34 @@ import socket
 DEEPSPEED_ENV_PATHS = (os.path.expanduser("~"), ".")  # DeepSpeed's launcher's DEEPSPEED_ENVIRONMENT_PATHS
 
 
-def nodes_in_world() -> int:
-    """How many nodes the launcher started (1 without DeepSpeed's launcher)."""
+def _int_env(*names: str) -> int | None:
+    for name in names:
+        try:
+            return int(os.environ[name])
+        except (KeyError, ValueError):
+            continue
+    return None
+
+
+def may_span_nodes() -> bool:
+    """Whether this world may hold ranks of several hosts: DeepSpeed's launcher says so (CROSS_SIZE), or the ranks
+    per node (LOCAL_SIZE, torchrun's LOCAL_WORLD_SIZE) are fewer than WORLD_SIZE, or, where a launcher says neither
+    (one process per GPU from `srun` or a wrapper), a world of several ranks meets at an address that is not
+    loopback."""
+    world = _int_env("WORLD_SIZE") or 1
+    if world <= 1:
+        return False
+    nodes = _int_env("CROSS_SIZE")
+    if nodes is not None:
+        return nodes > 1
+    local = _int_env("LOCAL_SIZE", "LOCAL_WORLD_SIZE")
+    if local is not None:
+        return local < world
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
     try:
-        return int(os.environ.get("CROSS_SIZE", "1"))
-    except ValueError:
-        return 1
+        return not ipaddress.ip_address(master).is_loopback
+    except ValueError:  # a host name
+        return master != "localhost"
 
 
 def route_interface(address: str) -> tuple[str, str]:

@@ -99,6 +99,22 @@ def data_rank(rank: int, etp: int, sp: int) -> int:
     return rank % etp + etp * (rank // (etp * sp))
 
 
+def group_keys(ep: int, etp: int, sp: int) -> dict[str, Callable[[int], tuple[int, ...]]]:
+    """Which ranks share each group of the layout: ranks r, q with key(r) == key(q). The attention view's
+    (rank = etp_rank + ETP * (sp_rank + SP * dp_rank)) and megatron's expert order's
+    (rank = etp_rank + ETP * (ep_rank + EP * expert_dp_rank)); megatron makes the expert groups itself
+    (init_layout checks its ETP group), the others are made from these keys. The replica group of a non-expert
+    parameter is the whole world."""
+    return {
+        "ETP": lambda r: (r // etp,),
+        "SP": lambda r: (r % etp, r // (etp * sp)),  # same ETP and DP coordinates
+        "EP": lambda r: (r % etp, r // (etp * ep)),  # same ETP and expert-DP coordinates
+        "expert DP": lambda r: (r % etp, (r // etp) % ep),  # same ETP and EP coordinates
+        "DP": lambda r: (r % etp,),  # the engine's data-parallel group: every rank of this ETP rank
+        "pure DP": lambda r: (r % etp, (r // etp) % sp),  # DP without the SP ranks
+    }
+
+
 def smallest_world(ep: int, etp: int, sp: int) -> int:
     """The fewest ranks that hold a layout: a multiple of ETP x SP and of ETP x EP."""
     return etp * math.lcm(ep, sp)
@@ -187,12 +203,12 @@ def init_layout(
                            f"expected ranks {first}..{first + etp - 1} (ETP fastest)")  # fmt: skip
     # The data-parallel groups: the ranks sharing an ETP rank (the "columns" of the ETP groups), created on every
     # rank in the same order (new_group is collective).
-    dp_group, dp_ranks = _new_groups(world, lambda r: (r % etp,), timeout)
+    keys = group_keys(ep, etp, sp)
+    dp_group, dp_ranks = _new_groups(world, keys["DP"], timeout)
     sp_group, sp_ranks, pure_dp_group, pure_dp_ranks = None, [dist.get_rank()], dp_group, dp_ranks
     if sp > 1:
-        # SP: same ETP and DP coordinates; pure DP: same ETP and SP coordinates
-        sp_group, sp_ranks = _new_groups(world, lambda r: (r % etp, r // (etp * sp)), timeout)
-        pure_dp_group, pure_dp_ranks = _new_groups(world, lambda r: (r % etp, (r // etp) % sp), timeout)
+        sp_group, sp_ranks = _new_groups(world, keys["SP"], timeout)
+        pure_dp_group, pure_dp_ranks = _new_groups(world, keys["pure DP"], timeout)
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     pg_collection.sp = sp_group
     return ParallelLayout(

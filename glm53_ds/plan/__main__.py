@@ -30,6 +30,7 @@ import sys
 import warnings
 
 from ..parallel.layout import validate_layout
+from ..parallel.rank_order import group_spans, placement_line
 from ..training.args import build_parser
 from ..training.config import TrainConfig, check_seq_length
 from ..training.option_checks import check_indexer_loss_trains, check_offload, check_recompute_losses
@@ -43,6 +44,7 @@ from .state import GiB
 
 __all__ = ["main", "parse_bytes", "planned_run"]
 
+GPUS_PER_NODE = 8
 # exit codes: the run fits (or --search found a world), it does not, a refusal
 FITS, DOES_NOT_FIT, REFUSED = 0, 1, 2
 
@@ -61,6 +63,8 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--search", action="store_true", help="the smallest world and the layouts that fit in it "
                    f"({varied} and --zero are searched)")  # fmt: skip
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node, the launcher's ranks per node (default "
+                   f"{GPUS_PER_NODE}: an H100 / H200 node): which groups of the layout cross nodes")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--config", help="a trainer run file (`launch/train.py --config`, e.g. recipes/*.toml, or a run's "
                    "<output-dir>/run.toml): plan that run; flags given here override it")  # fmt: skip
@@ -116,6 +120,14 @@ def main(argv: list[str] | None = None) -> int:
                        "frozen": counts.frozen, "buffers": counts.buffers},
         "bytes_per_rank": memory.state.as_dict(), "memory": memory.as_dict(), "gpu_memory": run.gpu,
     }  # fmt: skip
+    per_node = getattr(args, "gpus_per_node", GPUS_PER_NODE)
+    if per_node < 1:
+        print(f"error: --gpus-per-node must be at least 1, got {per_node}", file=sys.stderr)
+        return REFUSED
+    node = [r // per_node for r in range(run.world)]  # the launchers number ranks node by node
+    result["placement"] = {
+        s.name: {"size": s.size, "nodes": s.nodes} for s in group_spans(node, c.ep, c.etp, c.sp)
+    }
     result["trainer_flags"] = run.trainer_flags() + run.run_flags()
     hints = [] if memory.fits else what_would_fit(memory)
     result["would_fit"] = hints
@@ -137,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in memory.state.as_dict().items():
         print(f"  {key:<11} {value / GiB:10.2f} GiB")
     _print_memory(memory)
+    print(placement_line(node, c.ep, c.etp, c.sp) + f" (at {per_node} GPUs per node)")
     if memory.fits:
         print(f"the trainer's flags: deepspeed launch/train.py {run.trainer_flags()} "
               f"--seq-length {c.seq_length} --micro-batch-size {c.micro_batch_size}"

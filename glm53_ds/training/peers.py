@@ -12,7 +12,6 @@ until every rank has either written after the failure (alive) or stayed silent f
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..checkpoint.directory import has_latest, latest_tag
+from ..parallel.rank_order import rank_hosts
 
 PERIOD = 2.0  # seconds between heartbeats
 KEY = "glm53/heartbeat/{}"
@@ -63,8 +63,7 @@ class Heartbeat:
         store). Collective."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return None
-        hosts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(hosts, socket.gethostname())
+        hosts = rank_hosts()
         try:
             store = dist.distributed_c10d._get_default_store()  # the rendezvous store; no public accessor
         except (RuntimeError, AttributeError, ValueError):

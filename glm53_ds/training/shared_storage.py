@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
 
+from ..parallel.rank_order import rank_hosts
 from .errors import SetupError
 
 
@@ -44,9 +44,8 @@ def check_shared_storage(writable: Sequence[tuple[str, str]], readable: Sequence
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     rank, world = dist.get_rank(), dist.get_world_size()
-    host = socket.gethostname()
-    hosts: list[Any] = [None] * world
-    dist.all_gather_object(hosts, host)
+    hosts = rank_hosts()
+    host = hosts[rank]
     if len(set(hosts)) == 1:
         return
     token = [uuid.uuid4().hex if rank == 0 else None]

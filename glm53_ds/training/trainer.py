@@ -47,6 +47,7 @@ from ..flops import StepFlops, device_peak_tflops, step_flops
 from ..hf_loader import SafetensorsCheckpoint, checkpoint_has_mtp, load_hf_state_into
 from ..model import Glm53Model
 from ..parallel.layout import ParallelLayout, init_layout, validate_layout
+from ..parallel.rank_order import node_of_ranks, placement_line, rank_hosts
 from ..parallel.replicas import check_replicas
 from ..safe_io import DirectoryLock, DiskFull
 from ..transformer_config import make_transformer_config
@@ -234,6 +235,9 @@ class Trainer(ResumeChecks, TrainSteps):
                 agreed(lambda: check_checkpoint_fits(base_dir, base_tag, cfg, here, model_only=True))
 
         self.layout = init_layout(c.ep, c.etp, cfg, sp=c.sp, timeout=timedelta(seconds=c.dist_timeout))
+        nodes = node_of_ranks(rank_hosts()) if self.world > 1 else [0]
+        if len(set(nodes)) > 1:  # which groups cross nodes (parallel/rank_order.py)
+            self._say(placement_line(nodes, c.ep, c.etp, c.sp))
         model = agreed(self._build_model)  # a damaged --hf-dir file found by one rank is said once, naming it
         self._say(kernels_line(model, torch.device("cuda" if torch.cuda.is_available() else "cpu")))
         self.flops = step_flops(

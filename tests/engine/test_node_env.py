@@ -10,7 +10,7 @@ import time
 import pytest
 
 from glm53_ds.engine.deepspeed_internals import extensions_dir
-from glm53_ds.engine.nodes import apply_deepspeed_env, nodes_in_world
+from glm53_ds.engine.nodes import apply_deepspeed_env, may_span_nodes
 from glm53_ds.training.peers import Heartbeat, is_peer_loss, lost_peers_line, ranges
 
 
@@ -27,8 +27,28 @@ def test_deepspeed_env_is_applied_under_no_ssh(tmp_path, monkeypatch):
     (tmp_path / ".deepspeed_env").write_text("no equals sign\n")
     with pytest.raises(OSError, match=r"\.deepspeed_env:1: not KEY=VALUE"):
         apply_deepspeed_env()
-    monkeypatch.setenv("CROSS_SIZE", "3")
-    assert nodes_in_world() == 3
+
+
+@pytest.mark.parametrize(
+    "env, spans",
+    [
+        ({"WORLD_SIZE": "4", "CROSS_SIZE": "2", "LOCAL_SIZE": "2"}, True),  # DeepSpeed's launcher, 2 nodes
+        ({"WORLD_SIZE": "4", "CROSS_SIZE": "1", "LOCAL_SIZE": "4", "MASTER_ADDR": "10.0.0.1"}, False),
+        ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, True),  # torchrun, 2 nodes
+        ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.1"}, False),
+        ({"WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1"}, True),  # one process per GPU (srun), no local size
+        ({"WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1"}, False),
+        ({"WORLD_SIZE": "4", "MASTER_ADDR": "localhost"}, False),
+        ({"WORLD_SIZE": "1", "MASTER_ADDR": "10.0.0.1"}, False),
+    ],
+)
+def test_a_world_that_may_span_nodes_is_told_from_the_launchers_variables(monkeypatch, env, spans):
+    """Across nodes the interface is chosen and the ranks' order checked; on one node nothing changes."""
+    for name in ("WORLD_SIZE", "CROSS_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert may_span_nodes() is spans
 
 
 def test_the_op_build_directory_is_keyed_by_environment(monkeypatch, tmp_path):

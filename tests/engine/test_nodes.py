@@ -53,6 +53,22 @@ def _launch(nodes: FakeNodes, k: int, hostfile: str, port: int, *args: str, env:
     return proc
 
 
+def _launch_round_robin(nodes: FakeNodes, k: int, world: int, port: int, *args: str) -> subprocess.Popen:
+    """Node k's ranks started one process each, numbered round-robin over the nodes (rank k, k + nodes, ...) as
+    `srun --distribution=cyclic` numbers them, with the variables a per-task wrapper sets, and no launcher."""
+    ranks = range(k, world, nodes.count)
+    common = (f"WORLD_SIZE={world} MASTER_ADDR={nodes.address(0)} MASTER_PORT={port} "
+              f"{sys.executable} {TRAIN} {' '.join(args)}")  # fmt: skip
+    script = " & ".join(f"RANK={r} LOCAL_RANK={i} {common}" for i, r in enumerate(ranks))
+    script += "; code=0; for p in $(jobs -p); do wait $p || code=1; done; exit $code"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    proc = subprocess.Popen(nodes.command(k, ["bash", "-c", script]), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    getattr(nodes, "started", []).append(proc)
+    return proc
+
+
 def _run_nodes(nodes: FakeNodes, tmp_path, slots: int, *args: str) -> list[str]:
     hostfile = nodes.hostfile(str(tmp_path), slots)
     port = free_port()
@@ -117,7 +133,8 @@ def test_a_node_local_save_is_refused_before_any_work(nodes, tmp_path):
 @pytest.mark.slow
 def test_two_nodes_train_as_one_node_and_resume_on_another_layout(nodes, tmp_path):
     """2 nodes x 2 ranks at EP 2 x SP 2 = 1 node x 4 ranks (losses within 1e-5); its checkpoint resumes on 1 node x
-    2 ranks (EP 2), step 3 as the uninterrupted runs'."""
+    2 ranks (EP 2), step 3 as the uninterrupted runs', and on the same nodes numbered round-robin by their launcher
+    (renumbered node by node), step 3 bitwise the uninterrupted run's."""
     common = ["--ep", "2", "--sp", "2", "--train-iters", "3", "--global-batch-size", "4", "--micro-batch-size", "2",
               "--dist-timeout", "120"]  # fmt: skip
     outs = _run_nodes(nodes, tmp_path, 2, *common, "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
@@ -132,11 +149,27 @@ def test_two_nodes_train_as_one_node_and_resume_on_another_layout(nodes, tmp_pat
             abs(x["lm_loss"] - y["lm_loss"]) <= 1e-5 * y["lm_loss"]
             and abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * y["grad_norm"]
         )
+    assert "placement: 2 nodes x 2 ranks; inside a node: SP 2, EP 2; across nodes: expert DP 2 (2 nodes), " \
+        "replicas 4 (2 nodes)" in outs[0]  # fmt: skip
     resumed = deepspeed_run(2, "--ep", "2", "--train-iters", "3", "--global-batch-size", "4", "--micro-batch-size",
                             "2", "--load", str(tmp_path / "ckpt"), "--load-tag", "step2", "--output-dir", str(tmp_path / "resumed"))  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     (last,) = metrics(tmp_path / "resumed")
     assert last["step"] == 3 and abs(last["lm_loss"] - a[2]["lm_loss"]) <= 1e-5 * a[2]["lm_loss"]
+    # the same nodes started one process per rank, numbered round-robin over them: renumbered node by node (the SP
+    # and EP pairs inside a node again), and the checkpoint resumes on them as on the launcher's order
+    port = free_port()
+    cyclic = [_launch_round_robin(nodes, k, 4, port, *common, "--load", str(tmp_path / "ckpt"), "--load-tag",
+                                  "step2", "--output-dir", str(tmp_path / "cyclic")) for k in range(2)]  # fmt: skip
+    outs = [p.communicate(timeout=HANG_TIMEOUT)[0] for p in cyclic]
+    assert all(p.returncode == 0 for p in cyclic), outs[0][-3000:] + outs[1][-3000:]
+    assert (
+        "rank order: the launcher numbered ranks across nodes (1->2, 2->1); renumbered node by node"
+        in outs[0]
+    )
+    assert "placement: 2 nodes x 2 ranks; inside a node: SP 2, EP 2;" in outs[0]
+    (again,) = metrics(tmp_path / "cyclic")
+    assert again["step"] == 3 and again["lm_loss"] == a[2]["lm_loss"], (again, a[2])
 
 
 def _kill_node_in_a_step(nodes, tmp_path, how: signal.Signals, timeout: int) -> tuple[list[str], float]:

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from glm53_ds.config import Glm53Config
 from glm53_ds.parallel import init_layout, validate_layout
-from glm53_ds.parallel.layout import data_rank, smallest_world
+from glm53_ds.parallel.layout import data_rank, group_keys, smallest_world
 from glm53_ds.plan.dry_run import fake_world
 from tests.model_fixtures import CONFIG_A
 
@@ -99,6 +99,16 @@ def test_folded_layouts_build_consistent_groups(world, ep, etp, sp, sp_groups, e
         assert {seen[r]["data_rank"] for r in g["sp"]} == {g["data_rank"]}  # an SP group reads one stream
     streams = sorted(g["data_rank"] for g in seen)
     assert streams == sorted(list(range(world // sp)) * sp)  # each stream read by exactly one SP group
+    keys = group_keys(
+        ep, etp, sp
+    )  # what the placement line (parallel/rank_order.py) reads: megatron's groups too
+    for rank, g in enumerate(seen):
+        for name, built in (("ETP", "etp"), ("SP", "sp"), ("EP", "ep"), ("expert DP", "edp"), ("DP", "dp"),
+                            ("pure DP", "pure_dp")):  # fmt: skip
+            assert [r for r in range(world) if keys[name](r) == keys[name](rank)] == sorted(g[built]), (
+                name,
+                rank,
+            )
 
 
 def test_the_smallest_world_of_a_folded_layout():
