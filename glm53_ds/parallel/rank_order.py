@@ -54,7 +54,7 @@ def node_by_node(hosts: Sequence[str]) -> list[int]:
 
 @dataclass(frozen=True)
 class GroupSpan:
-    name: str  # "ETP", "SP", "EP", "expert DP", "replicas"
+    name: str  # "ETP", "SP", "EP", "expert DP", "DP" (at ETP > 1), "replicas"
     size: int  # ranks per group
     nodes: int  # the most nodes one group of this kind reaches
 
@@ -82,6 +82,11 @@ def group_spans(node: Sequence[int], ep: int, etp: int, sp: int) -> list[GroupSp
         size = max(sizes.values())
         if size > 1:
             spans.append(GroupSpan(name, size, max(len(g) for g in groups.values())))
+    if etp > 1 and world > etp:  # the engine's data-parallel group (the replicas of one ETP rank)
+        dp: dict[tuple[int, ...], set[int]] = {}
+        for r in range(world):
+            dp.setdefault(keys["DP"](r), set()).add(node[r])
+        spans.append(GroupSpan("DP", world // etp, max(len(g) for g in dp.values())))
     if world > 1:
         spans.append(GroupSpan("replicas", world, len(set(node))))
     return spans

@@ -39,6 +39,7 @@ from ..training.run_file import config_path
 from .activations import plan_activations
 from .counts import KINDS, count_parameters
 from .memory import RESERVE_FRACTION, WORLDS, RankMemory, rank_memory, search, what_would_fit
+from .network import MFU, NETWORK_GBPS, NVLINK_GBPS, StepTime, Traffic, step_time, step_traffic
 from .run import PLANNER_ZERO, PlannedRun, parse_bytes, planned_config, planner_options
 from .state import GiB
 
@@ -65,6 +66,13 @@ def parser() -> argparse.ArgumentParser:
                    f"({varied} and --zero are searched)")  # fmt: skip
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node, the launcher's ranks per node (default "
                    f"{GPUS_PER_NODE}: an H100 / H200 node): which groups of the layout cross nodes")  # fmt: skip
+    p.add_argument("--nvlink-gbps", type=float, help=f"GB/s per GPU and direction inside a node (default "
+                   f"{NVLINK_GBPS:g}: NVLink 4)")  # fmt: skip
+    p.add_argument("--network-gbps", type=float, help=f"GB/s per node between nodes (default {NETWORK_GBPS:g}: "
+                   "8 x 400 Gb/s InfiniBand NDR)")  # fmt: skip
+    p.add_argument(
+        "--mfu", type=float, help=f"the model FLOP utilisation the step time assumes (default {MFU:g})"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--config", help="a trainer run file (`launch/train.py --config`, e.g. recipes/*.toml, or a run's "
                    "<output-dir>/run.toml): plan that run; flags given here override it")  # fmt: skip
@@ -75,7 +83,17 @@ def planned_run(argv: list[str]) -> tuple[PlannedRun, argparse.Namespace]:
     """The run the arguments describe (a run file's, flags over it) and the planner's own arguments; a ValueError
     names the first bad option, before any trace."""
     args = parser().parse_args(argv)
-    given = vars(args)
+    args.gpus_per_node = getattr(args, "gpus_per_node", GPUS_PER_NODE)
+    if args.gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
+    args.links = {"nvlink_gbps": getattr(args, "nvlink_gbps", NVLINK_GBPS),
+                  "network_gbps": getattr(args, "network_gbps", NETWORK_GBPS), "mfu": getattr(args, "mfu", MFU)}  # fmt: skip
+    for name, value in args.links.items():
+        if not value > 0 or (name == "mfu" and value > 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be positive{' and at most 1' * (name == 'mfu')}, "
+                             f"got {value}")  # fmt: skip
+    given = {k: v for k, v in vars(args).items() if k not in ("links", "nvlink_gbps", "network_gbps", "mfu",
+                                                              "gpus_per_node")}  # fmt: skip
     path = config_path(argv)
     config = planned_config(given, path, build_parser())
     check_bounds(config, spelled={"gpus": "--world"})  # the options' declared least values
@@ -120,14 +138,16 @@ def main(argv: list[str] | None = None) -> int:
                        "frozen": counts.frozen, "buffers": counts.buffers},
         "bytes_per_rank": memory.state.as_dict(), "memory": memory.as_dict(), "gpu_memory": run.gpu,
     }  # fmt: skip
-    per_node = getattr(args, "gpus_per_node", GPUS_PER_NODE)
-    if per_node < 1:
-        print(f"error: --gpus-per-node must be at least 1, got {per_node}", file=sys.stderr)
-        return REFUSED
+    per_node, links = args.gpus_per_node, args.links
     node = [r // per_node for r in range(run.world)]  # the launchers number ranks node by node
     result["placement"] = {
         s.name: {"size": s.size, "nodes": s.nodes} for s in group_spans(node, c.ep, c.etp, c.sp)
     }
+    traffic = step_traffic(run, counts)
+    timing = step_time(run, traffic, node, **links)
+    result["network"] = {**links, "bytes_per_rank": traffic.by_group, "seconds": timing.groups_s,
+                         "compute_s": timing.compute_s, "step_s": timing.total_s,
+                         "tokens_per_s_per_gpu": timing.tokens_per_s_per_gpu, "bound": timing.bound}  # fmt: skip
     result["trainer_flags"] = run.trainer_flags() + run.run_flags()
     hints = [] if memory.fits else what_would_fit(memory)
     result["would_fit"] = hints
@@ -150,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {key:<11} {value / GiB:10.2f} GiB")
     _print_memory(memory)
     print(placement_line(node, c.ep, c.etp, c.sp) + f" (at {per_node} GPUs per node)")
+    _print_network(traffic, timing, links)
     if memory.fits:
         print(f"the trainer's flags: deepspeed launch/train.py {run.trainer_flags()} "
               f"--seq-length {c.seq_length} --micro-batch-size {c.micro_batch_size}"
@@ -186,6 +207,17 @@ def _print_memory(memory: RankMemory) -> None:
     verdict = "fits" if memory.fits else "does NOT fit"
     print(f"total {memory.total / GiB:.2f} GiB per rank of {memory.gpu / GiB:.2f} GiB ({usable / GiB:.2f} GiB after "
           f"a {RESERVE_FRACTION:.0%} reserve for the CUDA context, NCCL and fragmentation): {verdict}")  # fmt: skip
+
+
+def _print_network(traffic: Traffic, timing: StepTime, links: dict[str, float]) -> None:
+    """The step-time model (plan/network.py): each group's bytes and time beside the FLOPs'."""
+    print(f"per rank and step, the network (NVLink {links['nvlink_gbps']:g} GB/s per GPU, {links['network_gbps']:g} "
+          f"GB/s per node between nodes; plan/network.py):")  # fmt: skip
+    for group, nbytes in traffic.by_group.items():
+        print(f"  {group:<11} {nbytes / GiB:10.2f} GiB  {timing.groups_s[group]:8.3f} s")
+    print(f"  {'FLOPs':<11} {'':>14} {timing.compute_s:8.3f} s at {links['mfu']:.0%} MFU")
+    print(f"step {timing.total_s:.3f} s, nothing overlapped: {timing.tokens_per_s_per_gpu:,.0f} tokens/s per GPU; "
+          f"bound by {timing.bound}")  # fmt: skip
 
 
 def _search(run: PlannedRun, as_json: bool) -> int:

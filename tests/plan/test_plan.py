@@ -150,6 +150,9 @@ def test_the_command_line(capsys):
     assert 0 < memory["activations_saved"] <= memory["activations"] and memory["fits"]
     assert memory["communication"] == 2 * 500_000_000 * 2  # ZeRO-2, overlap_comm: two bf16 buckets
     assert {"linear_attention/dense", "mtp"} <= set(memory["activations_by_kind"])
+    network = result["network"]  # the step-time model (tests/plan/test_network.py)
+    assert set(network["bytes_per_rank"]) == {"EP", "replicas"} and network["tokens_per_s_per_gpu"] > 0
+    assert network["bound"] in ("compute", "EP", "replicas") and result["placement"]["EP"]["nodes"] == 1
     assert plan_main(["--model-config", "tiny", "--world", "3", "--ep", "2", "--seq-length", "128"]) == 2
     assert "world size 3 is not divisible by EP x ETP = 2 x 1" in capsys.readouterr().err
     assert plan_main(["--model-config", "tiny", "--world", "1", "--gpu-memory", "lots"]) == 2
