@@ -15,7 +15,7 @@ import time
 import pytest
 
 from glm53_ds.parallel.state import free_port
-from tests.cli import HANG_TIMEOUT, ROOT, TRAIN, deepspeed_run, metrics
+from tests.cli import DIE_DURING_SAVE, HANG_TIMEOUT, ROOT, TRAIN, deepspeed_run, metrics
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 from fake_nodes import FakeNodes  # noqa: E402
@@ -42,9 +42,9 @@ def nodes(request):
 
 
 def _launch(nodes: FakeNodes, k: int, hostfile: str, port: int, *args: str, env: dict | None = None,
-            local: tuple[str, ...] = ()) -> subprocess.Popen:  # fmt: skip
+            local: tuple[str, ...] = (), script: str = TRAIN) -> subprocess.Popen:  # fmt: skip
     argv = ["deepspeed", "--hostfile", hostfile, "--no_ssh", "--node_rank", str(k), "--master_addr",
-            nodes.address(0), "--master_port", str(port), TRAIN, *args]  # fmt: skip
+            nodes.address(0), "--master_port", str(port), script, *args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     env.pop("GLOO_SOCKET_IFNAME", None)
     proc = subprocess.Popen(nodes.command(k, argv, local), cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -220,3 +220,35 @@ def test_a_lost_node_ends_the_run_in_bounded_time_and_the_nodes_resume(nodes, tm
     outs = _run_nodes(nodes, tmp_path, 1, "--ep", "2", "--train-iters", str(step + 1), "--load", str(tmp_path / "ckpt"),
                       "--output-dir", str(tmp_path / "again"))  # fmt: skip
     assert [r["step"] for r in metrics(tmp_path / "again")] == [step + 1], outs[0][-3000:]
+
+
+@pytest.mark.slow
+def test_a_node_lost_in_a_save_leaves_latest_whole_and_the_nodes_resume_bitwise(nodes, tmp_path):
+    """Node 1 dies whole (its launcher and rank, SIGKILL) inside the save of step 4, after its replicated files and
+    before its expert shards and `latest`: node 0's rank exits with one line naming node1 and step2 as the last whole
+    checkpoint; `latest` still names step2; both nodes restarted resume from it, steps 3 and 4 bitwise the lost
+    run's."""
+    hostfile, port, ckpt = nodes.hostfile(str(tmp_path), 1), free_port(), tmp_path / "ckpt"
+    common = ["--ep", "2", "--train-iters", "4", "--save", str(ckpt), "--save-interval", "2", "--dist-timeout", "10",
+              "--log-interval", "1"]  # fmt: skip
+    procs = [
+        _launch(nodes, 0, hostfile, port, *common, "--output-dir", str(tmp_path / "run")),
+        _launch(nodes, 1, hostfile, port, "--die-during-save", "step4", *common, "--output-dir",
+                str(tmp_path / "run"), script=DIE_DURING_SAVE, env={"GLM53_TEST_DIE": "node"}),  # fmt: skip
+    ]
+    outs = [p.communicate(timeout=HANG_TIMEOUT)[0] for p in procs]
+    assert procs[0].returncode != 0 and procs[1].returncode != 0, outs[0][-3000:]
+    errors = [line for line in outs[0].splitlines() if "error: " in line]
+    assert errors and all(
+        "node node1 (ranks 1) vanished" in e and f"the last whole checkpoint is {ckpt}/step2" in e for e in errors
+    ), outs[0][-4000:]
+    assert "Traceback" not in outs[0], outs[0][-4000:]
+    assert (ckpt / "latest").read_text().strip() == "step2"
+    lost = metrics(tmp_path / "run")
+    assert [r["step"] for r in lost] == [1, 2, 3, 4]
+    _run_nodes(nodes, tmp_path, 1, *common, "--load", str(ckpt), "--output-dir", str(tmp_path / "again"))
+    resumed = metrics(tmp_path / "again")
+    assert [r["step"] for r in resumed] == [3, 4]
+    for a, b in zip(lost[2:], resumed, strict=True):
+        assert (a["lm_loss"], a["grad_norm"]) == (b["lm_loss"], b["grad_norm"])
+    assert (ckpt / "latest").read_text().strip() == "step4"
