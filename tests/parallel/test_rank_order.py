@@ -18,7 +18,14 @@ def test_ranks_numbered_node_by_node_are_kept_and_round_robin_ones_renumbered():
 def test_the_layout_keeps_etp_then_sp_and_ep_inside_a_node_where_they_fit():
     node = [r // 8 for r in range(16)]  # 2 nodes x 8 GPUs
     spans = {s.name: (s.size, s.nodes) for s in group_spans(node, ep=4, etp=2, sp=2)}
-    assert spans == {"ETP": (2, 1), "SP": (2, 1), "EP": (4, 1), "expert DP": (2, 2), "DP": (8, 2), "replicas": (16, 2)}
+    assert spans == {
+        "ETP": (2, 1),
+        "SP": (2, 1),
+        "EP": (4, 1),
+        "expert DP": (2, 2),
+        "DP": (8, 2),
+        "replicas": (16, 2),
+    }
     spans = {s.name: (s.size, s.nodes) for s in group_spans(node, ep=16, etp=1, sp=8)}
     assert spans == {"SP": (8, 1), "EP": (16, 2), "replicas": (16, 2)}  # EP 16 cannot fit 8 GPUs
     # control: ranks numbered round-robin over the nodes put every ETP pair on both nodes, and at ETP 1 every SP
