@@ -130,17 +130,36 @@ def test_a_node_local_save_is_refused_before_any_work(nodes, tmp_path):
     assert "kernels:" not in outs[0] and not os.listdir(tmp_path / "ckpt")
 
 
+def _same_tensors(a, b, rtol: float) -> list[str]:
+    """The stored tensors (model sets, read whole) of checkpoint tags `a` and `b` that differ by more than `rtol` of
+    the tensor's largest value, or that one has and the other not."""
+    from glm53_ds.checkpoint import CheckpointDir
+
+    x, y = CheckpointDir(str(a)), CheckpointDir(str(b))
+    names = x.keys() | y.keys()
+    off = sorted(names ^ (x.keys() & y.keys()))
+    for name in sorted(x.keys() & y.keys()):
+        u, v = x.full_tensor(name).double(), y.full_tensor(name).double()
+        if (u - v).abs().max() > rtol * max(u.abs().max().item(), v.abs().max().item(), 1e-30):
+            off.append(name)
+    return off
+
+
 @pytest.mark.slow
-def test_two_nodes_train_as_one_node_and_resume_on_another_layout(nodes, tmp_path):
-    """2 nodes x 2 ranks at EP 2 x SP 2 = 1 node x 4 ranks (losses within 1e-5); its checkpoint resumes on 1 node x
-    2 ranks (EP 2), step 3 as the uninterrupted runs', and on the same nodes numbered round-robin by their launcher
-    (renumbered node by node), step 3 bitwise the uninterrupted run's."""
+@pytest.mark.parametrize("tuning", ["full", "lora"])
+def test_two_nodes_train_as_one_node_and_resume_on_another_layout(nodes, tmp_path, tuning):
+    """2 nodes x 2 ranks at EP 2 x SP 2 = 1 node x 4 ranks (losses within 1e-5, the step-2 checkpoints' tensors
+    within 1e-5 of their largest value), full and LoRA; the checkpoint resumes on 1 node x 2 ranks (EP 2), step 3
+    as the uninterrupted runs', and (full) on the same nodes numbered round-robin by their launcher (renumbered node
+    by node), step 3 bitwise the uninterrupted run's."""
+    lora = ["--lora-rank", "8"] if tuning == "lora" else []
     common = ["--ep", "2", "--sp", "2", "--train-iters", "3", "--global-batch-size", "4", "--micro-batch-size", "2",
-              "--dist-timeout", "120"]  # fmt: skip
+              "--dist-timeout", "120", *lora]  # fmt: skip
     outs = _run_nodes(nodes, tmp_path, 2, *common, "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
                       "--output-dir", str(tmp_path / "two_nodes"))  # fmt: skip
     assert "network: node1: collectives over" in outs[1]
-    one = deepspeed_run(4, *common, "--output-dir", str(tmp_path / "one_node"))
+    one = deepspeed_run(4, *common, "--save", str(tmp_path / "ckpt_one"), "--save-interval", "2", "--output-dir",
+                        str(tmp_path / "one_node"))  # fmt: skip
     assert one.returncode == 0, one.stderr[-3000:]
     a, b = metrics(tmp_path / "two_nodes"), metrics(tmp_path / "one_node")
     assert len(a) == len(b) == 3
@@ -149,13 +168,17 @@ def test_two_nodes_train_as_one_node_and_resume_on_another_layout(nodes, tmp_pat
             abs(x["lm_loss"] - y["lm_loss"]) <= 1e-5 * y["lm_loss"]
             and abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * y["grad_norm"]
         )
+    assert _same_tensors(tmp_path / "ckpt" / "step2", tmp_path / "ckpt_one" / "step2", 1e-5) == []
     assert "placement: 2 nodes x 2 ranks; inside a node: SP 2, EP 2; across nodes: expert DP 2 (2 nodes), " \
         "replicas 4 (2 nodes)" in outs[0]  # fmt: skip
     resumed = deepspeed_run(2, "--ep", "2", "--train-iters", "3", "--global-batch-size", "4", "--micro-batch-size",
-                            "2", "--load", str(tmp_path / "ckpt"), "--load-tag", "step2", "--output-dir", str(tmp_path / "resumed"))  # fmt: skip
+                            "2", *lora, "--load", str(tmp_path / "ckpt"), "--load-tag", "step2", "--output-dir",
+                            str(tmp_path / "resumed"))  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     (last,) = metrics(tmp_path / "resumed")
     assert last["step"] == 3 and abs(last["lm_loss"] - a[2]["lm_loss"]) <= 1e-5 * a[2]["lm_loss"]
+    if tuning == "lora":
+        return
     # the same nodes started one process per rank, numbered round-robin over them: renumbered node by node (the SP
     # and EP pairs inside a node again), and the checkpoint resumes on them as on the launcher's order
     port = free_port()
@@ -231,22 +254,24 @@ def test_a_node_lost_in_a_save_leaves_latest_whole_and_the_nodes_resume_bitwise(
     hostfile, port, ckpt = nodes.hostfile(str(tmp_path), 1), free_port(), tmp_path / "ckpt"
     common = ["--ep", "2", "--train-iters", "4", "--save", str(ckpt), "--save-interval", "2", "--dist-timeout", "10",
               "--log-interval", "1"]  # fmt: skip
+    common += ["--output-dir", str(tmp_path / "run")]
+    dies = {"script": DIE_DURING_SAVE, "env": {"GLM53_TEST_DIE": "node"}}
     procs = [
-        _launch(nodes, 0, hostfile, port, *common, "--output-dir", str(tmp_path / "run")),
-        _launch(nodes, 1, hostfile, port, "--die-during-save", "step4", *common, "--output-dir",
-                str(tmp_path / "run"), script=DIE_DURING_SAVE, env={"GLM53_TEST_DIE": "node"}),  # fmt: skip
+        _launch(nodes, 0, hostfile, port, *common),
+        _launch(nodes, 1, hostfile, port, "--die-during-save", "step4", *common, **dies),  # type: ignore[arg-type]
     ]
     outs = [p.communicate(timeout=HANG_TIMEOUT)[0] for p in procs]
     assert procs[0].returncode != 0 and procs[1].returncode != 0, outs[0][-3000:]
     errors = [line for line in outs[0].splitlines() if "error: " in line]
     assert errors and all(
-        "node node1 (ranks 1) vanished" in e and f"the last whole checkpoint is {ckpt}/step2" in e for e in errors
+        "node node1 (ranks 1) vanished" in e and f"the last whole checkpoint is {ckpt}/step2" in e
+        for e in errors
     ), outs[0][-4000:]
     assert "Traceback" not in outs[0], outs[0][-4000:]
     assert (ckpt / "latest").read_text().strip() == "step2"
     lost = metrics(tmp_path / "run")
     assert [r["step"] for r in lost] == [1, 2, 3, 4]
-    _run_nodes(nodes, tmp_path, 1, *common, "--load", str(ckpt), "--output-dir", str(tmp_path / "again"))
+    _run_nodes(nodes, tmp_path, 1, *common[:-2], "--load", str(ckpt), "--output-dir", str(tmp_path / "again"))
     resumed = metrics(tmp_path / "again")
     assert [r["step"] for r in resumed] == [3, 4]
     for a, b in zip(lost[2:], resumed, strict=True):
