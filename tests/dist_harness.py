@@ -206,12 +206,12 @@ def compare_to_reference(
 def make_engine(model, layout, stage: int, dtype: torch.dtype, optimizer: str, lr: float, patch: bool,
             gas: int = 1, overlap_comm: bool = False, clip: float = 0.0,
             bf16_optimizer: bool = False, sp_reduction: bool = True,
-            expert_group: str | None = None):  # type: ignore[no-untyped-def]  # fmt: skip
+            expert_group: str | None = None, offload: bool = False):  # type: ignore[no-untyped-def]  # fmt: skip
     """An engine through `glm53_ds.build_engine`; `patch=False` is the control (the gradient-sync patch replaced by
     a no-op for this build only); `sp_reduction=False` the SP control (DeepSpeed told no SP: it averages the
     gradients of an SP group's shards instead of summing them); `expert_group="pure_dp"` the folding control
     (DeepSpeed's expert-data-parallel group is the layout's `pure_dp_group`, not the ranks holding the same
-    experts)."""
+    experts); `offload`: ZeRO-Offload (`--offload-optimizer cpu`: the AdamW given becomes DeepSpeedCPUAdam)."""
     from unittest import mock
 
     import glm53_ds
@@ -240,6 +240,8 @@ def make_engine(model, layout, stage: int, dtype: torch.dtype, optimizer: str, l
     }
     if bf16_optimizer:
         config["data_types"] = {"grad_accum_dtype": "fp32"}
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     no_sp = {"get_sequence_parallel_world_size": lambda self: 1,
              "get_data_parallel_group": DeepSpeedMpu.get_sequence_data_parallel_group,
              "get_data_parallel_world_size": DeepSpeedMpu.get_sequence_data_parallel_world_size,

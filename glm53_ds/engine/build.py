@@ -45,6 +45,7 @@ from .deepspeed_internals import (
     install_gradient_sync,
     install_step_guard,
     install_update_skip,
+    load_cpu_adam_op,
     load_cpu_comm_op,
     register_expert_groups,
 )
@@ -239,6 +240,27 @@ def _optimizer_factory(
     return lambda groups: torch.optim.AdamW(groups, **params)
 
 
+def _offloaded(
+    factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+) -> Callable[[list[dict[str, Any]]], torch.optim.Optimizer]:
+    """ZeRO-Offload's optimizer: DeepSpeedCPUAdam in AdamW mode with the hyperparameters `factory`'s AdamW has (its
+    update on the host partition, vectorised; DeepSpeed refuses another optimizer there). Its op is built once per
+    machine under a lock a killed builder releases (`load_cpu_adam_op`)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    def build(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        probe = factory([{"params": [torch.zeros(1, requires_grad=True)]}])
+        if not isinstance(probe, torch.optim.AdamW):
+            raise ValueError(f"build_engine: --offload-optimizer cpu updates with DeepSpeedCPUAdam (AdamW); the "
+                             f"optimizer given is {type(probe).__name__}")  # fmt: skip
+        d = probe.defaults
+        load_cpu_adam_op()
+        return DeepSpeedCPUAdam(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
+                                adamw_mode=True)  # fmt: skip
+
+    return build
+
+
 def _check_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     for i, group in enumerate(optimizer.param_groups):
         if len({is_expert_param(p) for p in group["params"]}) > 1:
@@ -280,10 +302,11 @@ def build_engine(
     factory = _optimizer_factory(optimizer, ds_config)
     low_precision = bool(config.get("bf16", {}).get("enabled") or config.get("fp16", {}).get("enabled"))
     side = Fp32Params(model) if low_precision else None  # before DeepSpeed's cast and flat buffers
+    offload = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "cpu"
     opt = (
         _check_optimizer(optimizer)
         if isinstance(optimizer, torch.optim.Optimizer)
-        else factory(optimizer_param_groups(model, no_decay_pattern))
+        else (_offloaded(factory) if offload else factory)(optimizer_param_groups(model, no_decay_pattern))
     )
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=opt, config=config, mpu=DeepSpeedMpu(layout)

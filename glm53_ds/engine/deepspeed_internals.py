@@ -610,26 +610,24 @@ def extensions_dir() -> str:
     return os.path.join(base, "torch_extensions", re.sub(r"[^\w.+-]", "_", key))
 
 
-def load_cpu_comm_op() -> None:
-    """Load DeepSpeed's CPU shared-memory allreduce op before `deepspeed.init_distributed` does (no-op where the
-    accelerator has no such op: CUDA).
+def _load_op_once(builder_name: str, load: Any, first_build: str) -> None:
+    """Run `load()` (which JIT-builds DeepSpeed's op `builder_name` if needed) holding a kernel `flock` on
+    `<build dir>/glm53_ds.lock`, the build said in one line by each machine's local rank 0 (`first_build`: its
+    expected time).
 
-    DeepSpeed JIT-builds it through torch's `FileBaton`: every load creates `<build dir>/lock`, runs ninja (a no-op
-    once built) and removes it. A rank killed in that window (a peer's failure, a scheduler's SIGKILL, the stop
-    watchdog) leaves the file behind, and every later run on the machine then waits for it forever at start-up,
-    silently. Here each glm53_ds process loads the op holding a kernel `flock` on `<build dir>/glm53_ds.lock`, which
-    the kernel releases when its holder dies; so a `lock` found while holding it was left by a killed process: it is
-    removed, said in one line. DeepSpeed caches the loaded op per process, so its own call builds nothing."""
+    DeepSpeed JIT-builds its ops through torch's `FileBaton`: every load creates `<build dir>/lock`, runs ninja (a
+    no-op once built) and removes it. A process killed in that window (a peer's failure, a scheduler's SIGKILL, the
+    stop watchdog) leaves the file behind, and every later run on the machine then waits for it forever at start-up,
+    silently. The kernel releases the `flock` when its holder dies; so a `lock` found while holding it was left by a
+    killed process: it is removed, said in one line. The build directory is keyed by the environment
+    (`extensions_dir`), so two environments never rebuild each other's op."""
     import fcntl
-    import importlib
     import sys
 
     from deepspeed.accelerator import get_accelerator
     from torch.utils.cpp_extension import _get_build_directory
 
-    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` is torch itself
-
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    builder = get_accelerator().create_op_builder(builder_name)
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         return
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
@@ -642,14 +640,32 @@ def load_cpu_comm_op() -> None:
         except BlockingIOError:  # another process builds or loads it now: say why this run waits
             if says:
                 print(f"waiting for another process's build of DeepSpeed's {builder.name} op ({build_dir}; a first "
-                      "build takes 1-2.5 min)", file=sys.stderr, flush=True)  # fmt: skip
+                      f"build takes {first_build})", file=sys.stderr, flush=True)  # fmt: skip
             fcntl.flock(guard, fcntl.LOCK_EX)
         if says and not any(f.endswith(".so") for f in os.listdir(build_dir)):
-            print(f"building DeepSpeed's {builder.name} op, once per machine (1-2.5 min; kept in {build_dir})",
+            print(f"building DeepSpeed's {builder.name} op, once per machine ({first_build}; kept in {build_dir})",
                   file=sys.stderr, flush=True)  # fmt: skip
         baton = os.path.join(build_dir, "lock")
         if os.path.exists(baton):
             os.unlink(baton)
             print(f"note: removed {baton}, a build lock left by a killed run (it would have made this run wait "
                   "for it forever)", file=sys.stderr)  # fmt: skip
-        ds_comm_torch.build_shm_op()
+        load()
+
+
+def load_cpu_comm_op() -> None:
+    """Load DeepSpeed's CPU shared-memory allreduce op before `deepspeed.init_distributed` does (no-op where the
+    accelerator has no such op: CUDA), under `_load_op_once`'s lock. DeepSpeed caches the loaded op per process, so
+    its own call builds nothing."""
+    import importlib
+
+    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` is torch itself
+    _load_op_once("ShareMemCommBuilder", ds_comm_torch.build_shm_op, "1-2.5 min")
+
+
+def load_cpu_adam_op() -> None:
+    """Load DeepSpeedCPUAdam's op (ZeRO-Offload's host update) under `_load_op_once`'s lock, before the optimizer
+    loads it (the op builder caches the loaded module: its own load builds nothing)."""
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    _load_op_once("CPUAdamBuilder", lambda: CPUAdamBuilder().load(), "2-3 min")

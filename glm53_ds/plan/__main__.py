@@ -46,6 +46,8 @@ from .state import GiB
 __all__ = ["main", "parse_bytes", "planned_run"]
 
 GPUS_PER_NODE = 8
+HOST_MEMORY = "2TB"  # an H200 node (DGX / HGX H200: 2 TB of host memory)
+HOST_RESERVE_FRACTION = 0.10  # of --host-memory, kept for the system, the data workers and the page cache
 # exit codes: the run fits (or --search found a world), it does not, a refusal
 FITS, DOES_NOT_FIT, REFUSED = 0, 1, 2
 
@@ -73,6 +75,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mfu", type=float, help=f"the model FLOP utilisation the step time assumes (default {MFU:g})"
     )
+    p.add_argument("--host-memory", help=f"host memory of one node (default {HOST_MEMORY}: an H200 node's 2 TB): "
+                   "what the ranks of a node hold there (--offload-optimizer, --offload-activations) is checked "
+                   "against it")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--config", help="a trainer run file (`launch/train.py --config`, e.g. recipes/*.toml, or a run's "
                    "<output-dir>/run.toml): plan that run; flags given here override it")  # fmt: skip
@@ -86,6 +91,7 @@ def planned_run(argv: list[str]) -> tuple[PlannedRun, argparse.Namespace]:
     args.gpus_per_node = getattr(args, "gpus_per_node", GPUS_PER_NODE)
     if args.gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
+    args.host_bytes = parse_bytes(getattr(args, "host_memory", None) or HOST_MEMORY, "--host-memory")
     args.links = {"nvlink_gbps": getattr(args, "nvlink_gbps", NVLINK_GBPS),
                   "network_gbps": getattr(args, "network_gbps", NETWORK_GBPS), "mfu": getattr(args, "mfu", MFU)}  # fmt: skip
     for name, value in args.links.items():
@@ -93,7 +99,7 @@ def planned_run(argv: list[str]) -> tuple[PlannedRun, argparse.Namespace]:
             raise ValueError(f"--{name.replace('_', '-')} must be positive{' and at most 1' * (name == 'mfu')}, "
                              f"got {value}")  # fmt: skip
     given = {k: v for k, v in vars(args).items() if k not in ("links", "nvlink_gbps", "network_gbps", "mfu",
-                                                              "gpus_per_node")}  # fmt: skip
+                                                              "gpus_per_node", "host_memory", "host_bytes")}  # fmt: skip
     path = config_path(argv)
     config = planned_config(given, path, build_parser())
     check_bounds(config, spelled={"gpus": "--world"})  # the options' declared least values
@@ -104,6 +110,8 @@ def planned_run(argv: list[str]) -> tuple[PlannedRun, argparse.Namespace]:
     parse_bytes(config.gpu_memory)
     check_seq_length(config.seq_length, run.model)
     check_offload(config.offload_activations, config.recompute)
+    if config.offload_optimizer == "cpu" and run.zero not in (1, 2):
+        raise ValueError(f"--offload-optimizer cpu needs ZeRO 1 or 2, the run has ZeRO {run.zero} (--zero 2)")
     check_recompute_losses(config.recompute, config.aux_loss_coef, config.indexer_loss_coef)
     check_indexer_loss_trains(dataclasses.replace(config, trainable=run.trainable))
     return run, args
@@ -148,10 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     result["network"] = {**links, "bytes_per_rank": traffic.by_group, "seconds": timing.groups_s,
                          "compute_s": timing.compute_s, "step_s": timing.total_s,
                          "tokens_per_s_per_gpu": timing.tokens_per_s_per_gpu, "bound": timing.bound}  # fmt: skip
+    host_rank = memory.host + memory.host_state  # pinned: the offloaded optimizer state and layer inputs
+    host_node = host_rank * min(per_node, run.world)
+    host_fits = host_node <= (1 - HOST_RESERVE_FRACTION) * args.host_bytes
+    result["host"] = {"per_rank": host_rank, "per_node": host_node, "optimizer_state_per_rank": memory.host_state,
+                      "activations_per_rank": memory.host, "host_memory": args.host_bytes, "fits": host_fits}  # fmt: skip
     result["trainer_flags"] = run.trainer_flags() + run.run_flags()
     hints = [] if memory.fits else what_would_fit(memory)
     result["would_fit"] = hints
-    code = FITS if memory.fits else DOES_NOT_FIT
+    code = FITS if memory.fits and host_fits else DOES_NOT_FIT
     if getattr(args, "json", False):
         print(json.dumps(result))
         return code
@@ -169,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in memory.state.as_dict().items():
         print(f"  {key:<11} {value / GiB:10.2f} GiB")
     _print_memory(memory)
+    if host_rank:
+        print(f"host memory, pinned: {host_rank / GiB:.2f} GiB per rank (optimizer state {memory.host_state / GiB:.2f}, "
+              f"layer inputs {memory.host / GiB:.2f}), {host_node / GiB:,.1f} GiB per node of {per_node} GPUs, of "
+              f"{args.host_bytes / GiB:,.0f} GiB (--host-memory; {HOST_RESERVE_FRACTION:.0%} kept for the system and "
+              f"the data): {'fits' if host_fits else 'does NOT fit'}")  # fmt: skip
     print(placement_line(node, c.ep, c.etp, c.sp) + f" (at {per_node} GPUs per node)")
     _print_network(traffic, timing, links)
     if memory.fits:

@@ -26,7 +26,7 @@ from .activations import MTP_KIND, ActivationProfile, layer_kinds, plan_activati
 from .counts import ParameterCounts, count_parameters
 from .dry_run import UntraceableLayout, fake_world
 from .run import LOSS_CHUNK_MIB, PlannedRun
-from .state import StateBytes, state_bytes
+from .state import StateBytes, host_state_bytes, state_bytes
 
 REDUCE_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed 0.19.8's default reduce_bucket_size (elements)
 RESERVE_FRACTION = 0.08  # of the GPU, left for the CUDA context, NCCL and allocator fragmentation
@@ -54,6 +54,7 @@ class RankMemory:
     # layer kind -> its layers, bytes kept per layer, backward peak above the layers below
     by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
     host: int = 0  # pinned host memory of this rank (--offload-activations: every layer's kept inputs)
+    host_state: int = 0  # host memory of this rank's optimizer state (--offload-optimizer cpu)
 
     @property
     def total(self) -> int:
@@ -67,7 +68,7 @@ class RankMemory:
         return dict(layout=self.run.layout_dict(), state=self.state.as_dict(), activations=self.activations,
                     activations_saved=self.activations_saved, loss_head=self.loss_head,
                     communication=self.communication, total=self.total, gpu_memory=self.gpu, fits=self.fits,
-                    activations_by_kind=self.by_kind, host_memory=self.host)  # fmt: skip
+                    activations_by_kind=self.by_kind, host_memory=self.host, host_state=self.host_state)  # fmt: skip
 
 
 def rank_memory(
@@ -81,7 +82,9 @@ def rank_memory(
     if counts is None:
         counts = count_parameters(run)
     c = run.config
-    state = state_bytes(counts, run.world, c.ep, c.etp, run.zero, bf16=run.bf16)
+    offload = c.offload_optimizer == "cpu"
+    state = state_bytes(counts, run.world, c.ep, c.etp, run.zero, bf16=run.bf16, offload=offload)
+    host = host_state_bytes(counts, run.world, c.ep, c.etp, run.bf16) if offload else 0
     kinds = layer_kinds(run.model)
     by_kind = {
         kind: {"layers": kinds.count(kind) if kind != MTP_KIND else profile.mtp_layers,
@@ -89,7 +92,8 @@ def rank_memory(
         for kind, unit in profile.units.items()
     }  # fmt: skip
     return RankMemory(run, state, profile.peak(kinds), profile.saved(kinds), profile.head_backward_peak,
-                      communication_bytes(run.zero, run.bf16), run.gpu, by_kind, profile.host_saved(kinds))  # fmt: skip
+                      communication_bytes(run.zero, run.bf16), run.gpu, by_kind, profile.host_saved(kinds),
+                      host_state=host)  # fmt: skip
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -155,7 +159,8 @@ def search(
             for zero in zero_stages:
                 if (ep, etp) in untraceable:
                     break
-                state = state_bytes(counts, world, ep, etp, zero, bf16=run.bf16)
+                state = state_bytes(counts, world, ep, etp, zero, bf16=run.bf16,
+                                    offload=run.config.offload_optimizer == "cpu")  # fmt: skip
                 if state.total + communication_bytes(zero, run.bf16) > usable:
                     continue
                 for recompute, offload in variants:

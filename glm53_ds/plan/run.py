@@ -36,14 +36,15 @@ LOSS_CHUNK_MIB: int = TrainConfig.loss_chunk_mib
 PLANNER_DEFAULTS: dict[str, Any] = dict(model_config="glm-5.3-flash", seq_length=8192, micro_batch_size=1)
 PLANNER_ZERO = 1  # ZeRO stage of a run given by flags without --zero or --deepspeed_config
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+          "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 
 
-def parse_bytes(text: str) -> int:
-    """'141GB', '80GiB', '141e9' -> bytes."""
+def parse_bytes(text: str, option: str = "--gpu-memory") -> int:
+    """'141GB', '80GiB', '141e9', '2TB' -> bytes (a ValueError naming `option`)."""
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
     if m is None or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"--gpu-memory {text!r}: expected a size such as 141GB or 80GiB")
+        raise ValueError(f"{option} {text!r}: expected a size such as 141GB or 80GiB")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
@@ -183,7 +184,8 @@ class PlannedRun:
                 f"{'--offload-activations ' if c.offload_activations else ''}"
                 f"{f'--moe-tile-mib {c.moe_tile_mib} ' if c.moe_tile_mib else ''}"
                 f"{'' if c.loss_chunk_mib == LOSS_CHUNK_MIB else f'--loss-chunk-mib {c.loss_chunk_mib} '}"
-                f"--deepspeed_config {self.deepspeed_config_path()}")  # fmt: skip
+                f"--deepspeed_config {self.deepspeed_config_path()}"
+                f"{' --offload-optimizer cpu' if c.offload_optimizer == 'cpu' else ''}")  # fmt: skip
 
     def run_flags(self) -> str:
         """The run's flags beside the layout's that change what it holds: the indexer loss (it trains the indexer;

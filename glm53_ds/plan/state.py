@@ -14,6 +14,12 @@ weight only.
     moments      Adam's two fp32 moments of the partition (of the whole tensor at stage 0)
     fp32-kept    in a bf16 run, HF's fp32-kept tensors train outside DeepSpeed (engine/fp32_params.py):
                  a whole fp32 gradient and two moments on every rank
+
+With ZeRO-Offload (`--offload-optimizer cpu`, ZeRO 1 / 2) the partition's fp32 master, its fp32 gradient and
+the two moments live in host memory (`host_state_bytes`), beside a pinned copy of the partition in the training
+dtype through which the updated weights return; the GPU keeps the weights and, under ZeRO 1, the whole gradient
+in the training dtype (ZeRO 2 copies each reduced bucket to the host: no gradient partition stays on the GPU).
+The fp32-kept tensors' own optimizer stays on the GPU.
 Reduction buckets are memory.py's; activations are activations.py's.
 """
 
@@ -41,25 +47,47 @@ class StateBytes:
         return dict(asdict(self), total=self.total)
 
 
+def _partitions(counts: ParameterCounts, world: int, ep: int, etp: int, bf16: bool) -> list[tuple[int, int]]:
+    """(trained elements, padded partition elements) of each tensor kind DeepSpeed's optimizer holds."""
+    groups = {"replicated": world // etp, "expert": world // (ep * etp)}
+    kinds = ("replicated", "expert") + (() if bf16 else ("fp32_kept",))
+    out = []
+    for kind in kinds:
+        trained = counts.trained[kind]
+        group = groups["replicated" if kind == "fp32_kept" else kind]
+        out.append((trained, -(-trained // group)))  # ceil: the padded partition
+    return out
+
+
+def host_state_bytes(counts: ParameterCounts, world: int, ep: int, etp: int, bf16: bool) -> int:
+    """One rank's host memory under ZeRO-Offload: per partition element the fp32 master, its fp32 gradient, two
+    fp32 moments and the pinned copy in the training dtype (DeepSpeed 0.19.8's `cpu_offload` buffers)."""
+    width = 2 if bf16 else 4
+    return sum((4 + 4 + 8 + width) * part for _, part in _partitions(counts, world, ep, etp, bf16))
+
+
 def state_bytes(
-    counts: ParameterCounts, world: int, ep: int, etp: int, zero_stage: int, bf16: bool
+    counts: ParameterCounts, world: int, ep: int, etp: int, zero_stage: int, bf16: bool, offload: bool = False
 ) -> StateBytes:
-    """One rank's training state at the layout (`world` ranks, `ep` x `etp`), ZeRO `zero_stage`, bf16 or fp32."""
+    """One rank's training state on its GPU at the layout (`world` ranks, `ep` x `etp`), ZeRO `zero_stage`, bf16
+    or fp32; `offload`: ZeRO-Offload (what moves to the host: `host_state_bytes`)."""
     if zero_stage not in (0, 1, 2):
         raise ValueError(f"ZeRO stage {zero_stage}: glm53_ds trains with stages 0, 1 and 2")
+    if offload and zero_stage == 0:
+        raise ValueError("ZeRO-Offload needs ZeRO 1 or 2")
     if world % (ep * etp):
         raise ValueError(f"world {world} is not a multiple of EP x ETP = {ep * etp}")
     width = 2 if bf16 else 4
-    groups = {"replicated": world // etp, "expert": world // (ep * etp)}
     kept_held = counts.held("fp32_kept")
     weights = width * (counts.held("replicated") + counts.held("expert")) + 4 * (kept_held + counts.buffers)
     weights += counts.block_fp8 + 4 * counts.block_fp8_scales  # a frozen base kept in block-FP8
     gradients = masters = moments = 0
-    deepspeed_kinds = ("replicated", "expert") + (() if bf16 else ("fp32_kept",))
-    for kind in deepspeed_kinds:
-        trained = counts.trained[kind]
-        group = groups["replicated" if kind == "fp32_kept" else kind]
-        part = -(-trained // group)  # ceil: the padded partition
+    for trained, part in _partitions(counts, world, ep, etp, bf16):
+        if (
+            offload
+        ):  # ZeRO 1 keeps the whole gradient until the boundary; ZeRO 2 sends each bucket to the host
+            gradients += width * trained if zero_stage == 1 else 0
+            continue
         if zero_stage == 0:  # nothing partitioned; bf16: fp32 masters with their own gradients
             gradients += width * trained + (4 * trained if bf16 else 0)
             masters += 4 * trained if bf16 else 0

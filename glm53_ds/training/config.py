@@ -223,6 +223,10 @@ class TrainConfig:
     deepspeed_config: str | None = option(None, DEEPSPEED, "a DeepSpeed JSON config (ZeRO stage, bf16, ...); "
                                           "batch sizes and clipping must agree with the command line (default: "
                                           "ds_configs' choice by device)", flag="--deepspeed_config", plan=MEMORY)  # fmt: skip
+    offload_optimizer: str = option("none", DEEPSPEED, "cpu: DeepSpeed's ZeRO-Offload, the fp32 masters, gradients "
+                                    "and Adam moments of the rank's partition in (pinned) host memory and the update "
+                                    "by DeepSpeedCPUAdam on the host; the GPU keeps the bf16 weights and gradients "
+                                    "(ZeRO 1 or 2; docs/usage.md)", choices=("none", "cpu"), plan=MEMORY)  # fmt: skip
     dist_timeout: float = option(1800.0, DEEPSPEED, "seconds a collective waits for a rank before the run ends, "
                                  "naming the ranks and nodes that vanished and the last whole checkpoint (a killed "
                                  "node is seen at once; a frozen one, a hung GPU or a cut network only after this; "

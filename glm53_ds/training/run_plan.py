@@ -120,9 +120,38 @@ def deepspeed_config(config: TrainConfig, world: int, gas: int) -> dict[str, Any
     else:
         ds = default_deepspeed_config(on_gpu=torch.cuda.is_available())
     ds.update(wanted)
+    apply_optimizer_offload(ds, config.offload_optimizer, config.deepspeed_config)
     ds.setdefault("steps_per_print", 10**9)
     ds.setdefault("zero_allow_untested_optimizer", True)
     return ds
+
+
+def optimizer_offload(ds: dict[str, Any]) -> str:
+    """Where a DeepSpeed config keeps the optimizer state: "cpu" (ZeRO-Offload) or "none"."""
+    section = ds.get("zero_optimization", {}).get("offload_optimizer") or {}
+    return str(section.get("device") or "none").lower()
+
+
+def apply_optimizer_offload(ds: dict[str, Any], offload: str, path: str | None) -> None:
+    """--offload-optimizer into DeepSpeed's config (ZeRO-Offload: `zero_optimization.offload_optimizer`), pinned
+    host buffers on a GPU. Refused: ZeRO 0 (nothing partitioned to offload; DeepSpeed would ignore it), a config
+    file that offloads otherwise than the flag says (one source for it), NVMe (not supported here)."""
+    named = f"--deepspeed_config {path}: " if path else ""
+    in_file = optimizer_offload(ds)
+    if in_file not in ("none", "cpu"):
+        raise SetupError(f"{named}offload_optimizer.device {in_file!r}: glm53_ds offloads to the host only "
+                         "(--offload-optimizer cpu)")  # fmt: skip
+    if in_file == "cpu" and offload != "cpu":
+        raise SetupError(f"{named}offload_optimizer.device is 'cpu' but --offload-optimizer is {offload!r}; say it "
+                         "with --offload-optimizer cpu (the run records it, the planner counts it)")  # fmt: skip
+    if offload == "none":
+        return
+    stage = zero_stage_and_bf16(ds)[0]
+    if stage not in (1, 2):
+        raise SetupError(f"--offload-optimizer cpu needs ZeRO 1 or 2; {named or 'the default config: '}ZeRO {stage} "
+                         "(give --deepspeed_config ds_configs/zero2_bf16.json, say)")  # fmt: skip
+    zero = ds.setdefault("zero_optimization", {})
+    zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
 
 
 def or_setup_error(fn: Any, alike: bool = False) -> Any:

@@ -1,0 +1,92 @@
+"""`--offload-optimizer cpu` (DeepSpeed's ZeRO-Offload) as the trainer configures it and the planner counts it:
+the DeepSpeed config it makes (ZeRO 1 / 2 only, one source for it), what leaves the GPU for the host, and the
+planner's host-memory line. (The engine's update against the single-process steps: tests/engine/
+test_gradient_sync.py, `_check_offload`.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from glm53_ds.config import Glm53Config
+from glm53_ds.plan.counts import count_parameters
+from glm53_ds.plan.run import PlannedRun
+from glm53_ds.plan.state import host_state_bytes, state_bytes
+from glm53_ds.training.config import SetupError
+from glm53_ds.training.run_plan import apply_optimizer_offload, optimizer_offload
+from tests.model_fixtures import CONFIG_A
+
+
+def test_the_deepspeed_config_it_makes_and_refuses():
+    ds = {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}
+    apply_optimizer_offload(ds, "cpu", None)
+    assert ds["zero_optimization"]["offload_optimizer"] == {
+        "device": "cpu",
+        "pin_memory": False,
+    }  # no CUDA here
+    assert optimizer_offload(ds) == "cpu"
+    untouched = {"zero_optimization": {"stage": 0}}
+    apply_optimizer_offload(untouched, "none", None)
+    assert (
+        optimizer_offload(untouched) == "none" and "offload_optimizer" not in untouched["zero_optimization"]
+    )
+    with pytest.raises(
+        SetupError, match=r"^--offload-optimizer cpu needs ZeRO 1 or 2; the default config: ZeRO 0"
+    ):
+        apply_optimizer_offload({"zero_optimization": {"stage": 0}}, "cpu", None)
+    in_file = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    with pytest.raises(
+        SetupError, match=r"^--deepspeed_config z.json: offload_optimizer.device is 'cpu' but "
+    ):
+        apply_optimizer_offload(in_file, "none", "z.json")
+    nvme = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}
+    with pytest.raises(
+        SetupError, match=r"offload_optimizer.device 'nvme': glm53_ds offloads to the host only"
+    ):
+        apply_optimizer_offload(nvme, "cpu", "z.json")
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("bf16", [True, False])
+def test_what_moves_to_the_host(zero, bf16):
+    """The fp32 masters, the fp32 gradient partition and the moments leave the GPU (ZeRO 2: the training-dtype
+    gradient partition too; ZeRO 1 keeps its whole gradient); the host holds them plus a pinned copy of the
+    partition in the training dtype. The weights and the fp32-kept tensors' own optimizer stay."""
+    run = PlannedRun.for_model(Glm53Config.from_text_dict(CONFIG_A), zero=zero, bf16=bf16, ep=2, gpus=4)
+    counts = count_parameters(run)
+    on_gpu = state_bytes(counts, 4, 2, 1, zero, bf16)
+    offloaded = state_bytes(counts, 4, 2, 1, zero, bf16, offload=True)
+    host = host_state_bytes(counts, 4, 2, 1, bf16)
+    width = 2 if bf16 else 4
+    parts = {"replicated": -(-counts.trained["replicated"] // 4), "expert": -(-counts.trained["expert"] // 2)}
+    if not bf16:
+        parts["fp32_kept"] = -(-counts.trained["fp32_kept"] // 4)
+    assert host == (16 + width) * sum(parts.values())
+    assert offloaded.weights == on_gpu.weights and offloaded.masters == 0
+    kept = 4 * counts.trained["fp32_kept"] if bf16 else 0  # the fp32-kept tensors' gradient, on the GPU
+    assert offloaded.moments == 2 * kept
+    whole = width * sum(counts.trained[k] for k in parts)
+    assert offloaded.gradients == kept + (whole if zero == 1 else 0)
+    assert on_gpu.total - offloaded.total == 16 * sum(parts.values()) + (
+        width * sum(parts.values()) if zero == 2 else 0
+    )
+    with pytest.raises(ValueError, match="ZeRO-Offload needs ZeRO 1 or 2"):
+        state_bytes(counts, 4, 2, 1, 0, bf16, offload=True)
+
+
+@pytest.mark.slow
+def test_full_sft_at_32k_fits_32_h200_with_the_state_on_the_host():
+    """docs/usage.md's numbers: the 64-GPU recipe at 32 GPUs (ETP 1, ZeRO 1) with the optimizer state on the host
+    fits the GPU and 1.5 TB per node (the issue's goal)."""
+    import json
+
+    from tests.cli import module_run
+
+    proc = module_run("glm53_ds.plan", "--config", "recipes/full_sft_64xh200_32k.toml", "--offload-optimizer", "cpu",
+                      "--world", "32", "--etp", "1", "--zero", "1", "--json", timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    host, memory = result["host"], result["memory"]
+    assert memory["fits"] and host["fits"] and host["per_node"] <= 1.5e12
+    assert (round(memory["total"] / 2**30, 1), round(host["per_rank"] / 2**30, 1)) == (75.2, 170.7)
+    assert round(host["per_node"] / 2**30) == 1365
+    assert "--offload-optimizer cpu" in result["trainer_flags"]
