@@ -302,7 +302,8 @@ def build_engine(
     factory = _optimizer_factory(optimizer, ds_config)
     low_precision = bool(config.get("bf16", {}).get("enabled") or config.get("fp16", {}).get("enabled"))
     side = Fp32Params(model) if low_precision else None  # before DeepSpeed's cast and flat buffers
-    offload = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "cpu"
+    # ZeRO-Offload as training/run_plan.optimizer_offload reads it (the engine imports nothing of the trainer's)
+    offload = (config.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device") == "cpu"
     opt = (
         _check_optimizer(optimizer)
         if isinstance(optimizer, torch.optim.Optimizer)
