@@ -85,6 +85,46 @@ def test_resume_is_bitwise_and_a_killed_save_keeps_the_previous(tmp_path):
 
 
 @pytest.mark.slow
+def test_an_offloaded_run_killed_in_its_host_update_or_a_save_keeps_latest_whole_and_resumes_bitwise(
+    tmp_path,
+):
+    """#61: ZeRO-Offload (ZeRO 2, two ranks). kill -9 of every rank inside step 5's host update (DeepSpeedCPUAdam
+    has updated the host's masters and moments, the device weights not yet): `latest` stays on step 4, whole. A
+    run resumed from step 2 repeats steps 3-4 bitwise (loss and gradient norm: the host state came back exactly)
+    and is killed -9 inside its save of step 6: its `latest` stays on its step 4, whole."""
+    from glm53_ds import safe_io
+
+    def whole(tag_dir) -> bool:  # type: ignore[no-untyped-def]
+        files = safe_io.read_manifest(str(tag_dir))
+        return not safe_io.unlisted_files(str(tag_dir), files) and not safe_io.verify_files(
+            str(tag_dir), files, list(files)
+        )
+
+    config = tmp_path / "zero2.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    common = ["--offload-optimizer", "cpu", "--deepspeed_config", str(config), "--train-iters", "6",
+              "--save-interval", "2"]  # fmt: skip
+    a, b = tmp_path / "a", tmp_path / "b"
+    proc = deepspeed_run(2, *common, "--die-in-host-update", "5", "--save", str(a / "ckpt"), "--output-dir", str(a),
+                         script=DIE_DURING_SAVE)  # fmt: skip
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    killed = metrics(a)
+    assert [r["step"] for r in killed] == [1, 2, 3, 4], proc.stderr[-3000:]
+    assert (a / "ckpt" / "latest").read_text().strip() == "step4"
+    assert whole(a / "ckpt" / "step4")
+    proc = deepspeed_run(2, *common, "--die-during-save", "step6", "--load", str(a / "ckpt"), "--load-tag", "step2",
+                         "--save", str(b / "ckpt"), "--output-dir", str(b), script=DIE_DURING_SAVE,
+                         env={"GLM53_TEST_DIE": "rank"})  # fmt: skip
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    resumed = metrics(b)
+    assert [r["step"] for r in resumed] == [3, 4, 5, 6], proc.stderr[-3000:]
+    for x, y in zip(killed[2:], resumed[:2], strict=True):
+        assert (x["lm_loss"], x["grad_norm"]) == (y["lm_loss"], y["grad_norm"]), (x, y)
+    assert (b / "ckpt" / "latest").read_text().strip() == "step4"
+    assert whole(b / "ckpt" / "step4")
+
+
+@pytest.mark.slow
 def test_nan_loss_stops_with_the_step(tmp_path):
     proc = python_run("--train-iters", "5", "--lr", "1e30", "--warmup", "0", "--clip-grad", "0",
                       "--output-dir", str(tmp_path))  # fmt: skip
