@@ -65,7 +65,9 @@ def test_a_recipe_is_a_complete_run_for_the_trainer(tmp_path, recipe):
                           os.path.join(ROOT, "data", "tiny_corpus.txt"), "--output-dir", str(tmp_path / "out"),
                           "--save", str(tmp_path / "ck"))  # fmt: skip
     assert config.seq_length >= 8192 and config.lr <= 2e-4 and config.min_lr < config.lr and config.gpus
-    assert config.recompute == "full" and config.deepspeed_config == "ds_configs/zero2_bf16.json"
+    # ZeRO 2, or ZeRO 1 with the optimizer state on the host (ZeRO-Offload: the GPU keeps whole bf16 gradients)
+    zero = "zero1_bf16" if config.offload_optimizer == "cpu" else "zero2_bf16"
+    assert config.recompute == "full" and config.deepspeed_config == f"ds_configs/{zero}.json"
     # control: the same without the recipe is refused (the real-width rule the recipe satisfies)
     with pytest.raises(ValueError, match="is a model of real width"):
         train_config("--hf-dir", str(released), "--tokenizer", "bytes", "--output-dir", str(tmp_path / "o2"))
@@ -88,11 +90,22 @@ def tiny_fp8_release(tmp_path_factory) -> str:
     return str(save_fp8_copy(bf16, tmp_path_factory.mktemp("fp8") / "tiny_fp8", (16, 16)))
 
 
+# TINY's DeepSpeed config under ZeRO 1, for the recipes that offload the optimizer (ZeRO-Offload needs ZeRO 1 / 2)
+CPU_ZERO1 = os.path.join(ROOT, "tests", "ds_cpu_zero1.json")
+
+
 def _tiny_for(recipe: str, fp8_release: str) -> tuple[str, ...]:
-    """TINY, and for a recipe that keeps its base in block-FP8 the tiny FP8 download as its weights."""
+    """TINY, and for a recipe that keeps its base in block-FP8 the tiny FP8 download as its weights; for one that
+    offloads the optimizer state CPU DeepSpeed under ZeRO 1."""
     with open(recipe, "rb") as f:
-        fp8 = tomllib.load(f).get("fine_tuning", {}).get("base_quant") == "fp8"
-    return (*TINY, "--hf-dir", fp8_release, "--tokenizer", "bytes") if fp8 else TINY
+        tables = tomllib.load(f)
+    fp8 = tables.get("fine_tuning", {}).get("base_quant") == "fp8"
+    tiny = (*TINY, "--hf-dir", fp8_release, "--tokenizer", "bytes") if fp8 else TINY
+    return (
+        (*tiny, "--deepspeed_config", CPU_ZERO1)
+        if tables.get("deepspeed", {}).get("offload_optimizer") == "cpu"
+        else tiny
+    )
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)

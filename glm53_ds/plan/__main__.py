@@ -38,8 +38,31 @@ from ..training.options import check_bounds, searched
 from ..training.run_file import config_path
 from .activations import plan_activations
 from .counts import KINDS, count_parameters
-from .memory import RESERVE_FRACTION, WORLDS, RankMemory, rank_memory, search, what_would_fit
-from .network import MFU, NETWORK_GBPS, NVLINK_GBPS, StepTime, Traffic, step_time, step_traffic
+from .memory import (
+    HOST_RESERVE_FRACTION,
+    RESERVE_FRACTION,
+    WORLDS,
+    RankMemory,
+    host_fits,
+    host_per_node,
+    rank_memory,
+    search,
+    what_would_fit,
+)
+from .network import (
+    CPU_ADAM_RATE,
+    HOST_CORES,
+    HOST_GBPS,
+    MFU,
+    NETWORK_GBPS,
+    NVLINK_GBPS,
+    PCIE_GBPS,
+    StepTime,
+    Traffic,
+    offload_times,
+    step_time,
+    step_traffic,
+)
 from .run import PLANNER_ZERO, PlannedRun, parse_bytes, planned_config, planner_options
 from .state import GiB
 
@@ -47,7 +70,6 @@ __all__ = ["main", "parse_bytes", "planned_run"]
 
 GPUS_PER_NODE = 8
 HOST_MEMORY = "2TB"  # an H200 node (DGX / HGX H200: 2 TB of host memory)
-HOST_RESERVE_FRACTION = 0.10  # of --host-memory, kept for the system, the data workers and the page cache
 # exit codes: the run fits (or --search found a world), it does not, a refusal
 FITS, DOES_NOT_FIT, REFUSED = 0, 1, 2
 
@@ -75,6 +97,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mfu", type=float, help=f"the model FLOP utilisation the step time assumes (default {MFU:g})"
     )
+    p.add_argument("--pcie-gbps", type=float, help=f"GB/s per GPU and direction to its host (default {PCIE_GBPS:g}: "
+                   "PCIe 5 x16): --offload-optimizer's copies")  # fmt: skip
+    p.add_argument("--host-cores", type=int, help=f"CPU cores of one node (default {HOST_CORES}: an H200 node's two "
+                   "56-core sockets), shared by its ranks' host updates under --offload-optimizer")  # fmt: skip
+    p.add_argument("--host-gbps", type=float, help=f"memory bandwidth of one node's host in GB/s (default "
+                   f"{HOST_GBPS:g}: two sockets of 8 DDR5-4800 channels at ~80%%)")  # fmt: skip
+    p.add_argument("--cpu-adam-rate", type=float, help=f"DeepSpeedCPUAdam's elements per second per core (default "
+                   f"{CPU_ADAM_RATE:.3g}, measured by benchmarks/cpu_adam.py; run it on your host)")  # fmt: skip
     p.add_argument("--host-memory", help=f"host memory of one node (default {HOST_MEMORY}: an H200 node's 2 TB): "
                    "what the ranks of a node hold there (--offload-optimizer, --offload-activations) is checked "
                    "against it")  # fmt: skip
@@ -94,12 +124,16 @@ def planned_run(argv: list[str]) -> tuple[PlannedRun, argparse.Namespace]:
     args.host_bytes = parse_bytes(getattr(args, "host_memory", None) or HOST_MEMORY, "--host-memory")
     args.links = {"nvlink_gbps": getattr(args, "nvlink_gbps", NVLINK_GBPS),
                   "network_gbps": getattr(args, "network_gbps", NETWORK_GBPS), "mfu": getattr(args, "mfu", MFU)}  # fmt: skip
-    for name, value in args.links.items():
+    args.host_links = {"pcie_gbps": getattr(args, "pcie_gbps", PCIE_GBPS),
+                       "host_cores": getattr(args, "host_cores", HOST_CORES),
+                       "host_gbps": getattr(args, "host_gbps", HOST_GBPS),
+                       "cpu_adam_rate": getattr(args, "cpu_adam_rate", CPU_ADAM_RATE)}  # fmt: skip
+    for name, value in {**args.links, **args.host_links}.items():
         if not value > 0 or (name == "mfu" and value > 1):
             raise ValueError(f"--{name.replace('_', '-')} must be positive{' and at most 1' * (name == 'mfu')}, "
                              f"got {value}")  # fmt: skip
-    given = {k: v for k, v in vars(args).items() if k not in ("links", "nvlink_gbps", "network_gbps", "mfu",
-                                                              "gpus_per_node", "host_memory", "host_bytes")}  # fmt: skip
+    own = {"links", "host_links", "gpus_per_node", "host_memory", "host_bytes", *args.links, *args.host_links}
+    given = {k: v for k, v in vars(args).items() if k not in own}
     path = config_path(argv)
     config = planned_config(given, path, build_parser())
     check_bounds(config, spelled={"gpus": "--world"})  # the options' declared least values
@@ -124,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run, args = planned_run(argv)
         if getattr(args, "search", False):
-            return _search(run, as_json=getattr(args, "json", False))
+            return _search(run, as_json=getattr(args, "json", False), host_bytes=args.host_bytes,
+                           gpus_per_node=args.gpus_per_node)  # fmt: skip
         c = run.config
         validate_layout(run.world, c.ep, c.etp, run.model, sp=c.sp, seq_length=c.seq_length)
         # the trace first: it joins the layout's fake world, in which the counts' meta build runs too
@@ -152,19 +187,23 @@ def main(argv: list[str] | None = None) -> int:
         s.name: {"size": s.size, "nodes": s.nodes} for s in group_spans(node, c.ep, c.etp, c.sp)
     }
     traffic = step_traffic(run, counts)
-    timing = step_time(run, traffic, node, **links)
+    host_s = offload_times(run, counts, min(per_node, run.world), **args.host_links)
+    timing = step_time(run, traffic, node, **links, host_s=host_s)
     result["network"] = {**links, "bytes_per_rank": traffic.by_group, "seconds": timing.groups_s,
+                         "offload_s": timing.host_s, **(args.host_links if host_s else {}),
                          "compute_s": timing.compute_s, "step_s": timing.total_s,
                          "tokens_per_s_per_gpu": timing.tokens_per_s_per_gpu, "bound": timing.bound}  # fmt: skip
-    host_rank = memory.host + memory.host_state  # pinned: the offloaded optimizer state and layer inputs
-    host_node = host_rank * min(per_node, run.world)
-    host_fits = host_node <= (1 - HOST_RESERVE_FRACTION) * args.host_bytes
-    result["host"] = {"per_rank": host_rank, "per_node": host_node, "optimizer_state_per_rank": memory.host_state,
-                      "activations_per_rank": memory.host, "host_memory": args.host_bytes, "fits": host_fits}  # fmt: skip
+    pinned = memory.host + memory.host_state  # the offloaded optimizer state's buffers and the layer inputs
+    host_rank = pinned + memory.host_state_pageable
+    host_node, host_ok = host_per_node(memory, per_node), host_fits(memory, args.host_bytes, per_node)
+    result["host"] = {"per_rank": host_rank, "per_node": host_node, "pinned_per_rank": pinned,
+                      "pageable_per_rank": memory.host_state_pageable,
+                      "optimizer_state_per_rank": memory.host_state + memory.host_state_pageable,
+                      "activations_per_rank": memory.host, "host_memory": args.host_bytes, "fits": host_ok}  # fmt: skip
     result["trainer_flags"] = run.trainer_flags() + run.run_flags()
     hints = [] if memory.fits else what_would_fit(memory)
     result["would_fit"] = hints
-    code = FITS if memory.fits and host_fits else DOES_NOT_FIT
+    code = FITS if memory.fits and host_ok else DOES_NOT_FIT
     if getattr(args, "json", False):
         print(json.dumps(result))
         return code
@@ -183,10 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {key:<11} {value / GiB:10.2f} GiB")
     _print_memory(memory)
     if host_rank:
-        print(f"host memory, pinned: {host_rank / GiB:.2f} GiB per rank (optimizer state {memory.host_state / GiB:.2f}, "
-              f"layer inputs {memory.host / GiB:.2f}), {host_node / GiB:,.1f} GiB per node of {per_node} GPUs, of "
+        print(f"host memory: {host_rank / GiB:.2f} GiB per rank, pinned {pinned / GiB:.2f} (optimizer state "
+              f"{memory.host_state / GiB:.2f}, layer inputs {memory.host / GiB:.2f}) and pageable "
+              f"{memory.host_state_pageable / GiB:.2f} (Adam moments); {host_node / GiB:,.1f} GiB per node of "
+              f"{min(per_node, run.world)} GPUs, of "
               f"{args.host_bytes / GiB:,.0f} GiB (--host-memory; {HOST_RESERVE_FRACTION:.0%} kept for the system and "
-              f"the data): {'fits' if host_fits else 'does NOT fit'}")  # fmt: skip
+              f"the data): {'fits' if host_ok else 'does NOT fit'}")  # fmt: skip
     print(placement_line(node, c.ep, c.etp, c.sp) + f" (at {per_node} GPUs per node)")
     _print_network(traffic, timing, links)
     if memory.fits:
@@ -233,15 +274,19 @@ def _print_network(traffic: Traffic, timing: StepTime, links: dict[str, float]) 
           f"GB/s per node between nodes; plan/network.py):")  # fmt: skip
     for group, nbytes in traffic.by_group.items():
         print(f"  {group:<11} {nbytes / GiB:10.2f} GiB  {timing.groups_s[group]:8.3f} s")
+    for term, seconds in timing.host_s.items():  # ZeRO-Offload
+        print(f"  {term:<11} {'':>14} {seconds:8.3f} s (--offload-optimizer cpu)")
     print(f"  {'FLOPs':<11} {'':>14} {timing.compute_s:8.3f} s at {links['mfu']:.0%} MFU")
     print(f"step {timing.total_s:.3f} s, nothing overlapped: {timing.tokens_per_s_per_gpu:,.0f} tokens/s per GPU; "
           f"bound by {timing.bound}")  # fmt: skip
 
 
-def _search(run: PlannedRun, as_json: bool) -> int:
+def _search(
+    run: PlannedRun, as_json: bool, host_bytes: int | None = None, gpus_per_node: int = GPUS_PER_NODE
+) -> int:
     worlds = (run.config.gpus,) if run.config.gpus else WORLDS
     progress = None if as_json else (lambda line: print(f"searching: {line}", file=sys.stderr, flush=True))
-    found = search(run, worlds=worlds, progress=progress)
+    found = search(run, worlds=worlds, progress=progress, host_bytes=host_bytes, gpus_per_node=gpus_per_node)
     c, name = run.config, _model_name(run)
     what = (
         f"{'LoRA rank ' + str(c.lora_rank) if c.lora_rank else 'full fine-tuning'}, "

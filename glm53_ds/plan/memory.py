@@ -25,8 +25,9 @@ from ..parallel.layout import validate_layout
 from .activations import MTP_KIND, ActivationProfile, layer_kinds, plan_activations
 from .counts import ParameterCounts, count_parameters
 from .dry_run import UntraceableLayout, fake_world
+from .network import micro_batches
 from .run import LOSS_CHUNK_MIB, PlannedRun
-from .state import StateBytes, host_state_bytes, state_bytes
+from .state import StateBytes, host_state_split, state_bytes
 
 REDUCE_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed 0.19.8's default reduce_bucket_size (elements)
 RESERVE_FRACTION = 0.08  # of the GPU, left for the CUDA context, NCCL and allocator fragmentation
@@ -54,7 +55,8 @@ class RankMemory:
     # layer kind -> its layers, bytes kept per layer, backward peak above the layers below
     by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
     host: int = 0  # pinned host memory of this rank (--offload-activations: every layer's kept inputs)
-    host_state: int = 0  # host memory of this rank's optimizer state (--offload-optimizer cpu)
+    host_state: int = 0  # pinned host memory of this rank's optimizer state (--offload-optimizer cpu)
+    host_state_pageable: int = 0  # and pageable (its Adam moments)
 
     @property
     def total(self) -> int:
@@ -68,7 +70,8 @@ class RankMemory:
         return dict(layout=self.run.layout_dict(), state=self.state.as_dict(), activations=self.activations,
                     activations_saved=self.activations_saved, loss_head=self.loss_head,
                     communication=self.communication, total=self.total, gpu_memory=self.gpu, fits=self.fits,
-                    activations_by_kind=self.by_kind, host_memory=self.host, host_state=self.host_state)  # fmt: skip
+                    activations_by_kind=self.by_kind, host_memory=self.host, host_state=self.host_state,
+                    host_state_pageable=self.host_state_pageable)  # fmt: skip
 
 
 def rank_memory(
@@ -84,7 +87,12 @@ def rank_memory(
     c = run.config
     offload = c.offload_optimizer == "cpu"
     state = state_bytes(counts, run.world, c.ep, c.etp, run.zero, bf16=run.bf16, offload=offload)
-    host = host_state_bytes(counts, run.world, c.ep, c.etp, run.bf16) if offload else 0
+    accumulating = micro_batches(run) > 1
+    pinned, pageable = (
+        host_state_split(counts, run.world, c.ep, c.etp, run.bf16, run.zero, accumulating)
+        if offload
+        else (0, 0)
+    )
     kinds = layer_kinds(run.model)
     by_kind = {
         kind: {"layers": kinds.count(kind) if kind != MTP_KIND else profile.mtp_layers,
@@ -93,7 +101,21 @@ def rank_memory(
     }  # fmt: skip
     return RankMemory(run, state, profile.peak(kinds), profile.saved(kinds), profile.head_backward_peak,
                       communication_bytes(run.zero, run.bf16), run.gpu, by_kind, profile.host_saved(kinds),
-                      host_state=host)  # fmt: skip
+                      host_state=pinned, host_state_pageable=pageable)  # fmt: skip
+
+
+HOST_RESERVE_FRACTION = 0.10  # of --host-memory, kept for the system, the data workers and the page cache
+
+
+def host_per_node(memory: RankMemory, gpus_per_node: int) -> int:
+    """Host memory the ranks of one node hold (pinned and pageable: the offloaded optimizer state, the layers'
+    kept inputs under --offload-activations)."""
+    per_rank = memory.host + memory.host_state + memory.host_state_pageable
+    return per_rank * min(gpus_per_node, memory.run.world)
+
+
+def host_fits(memory: RankMemory, host_bytes: int, gpus_per_node: int) -> bool:
+    return host_per_node(memory, gpus_per_node) <= (1 - HOST_RESERVE_FRACTION) * host_bytes
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -114,7 +136,7 @@ WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
 def search(
     run: PlannedRun, worlds: tuple[int, ...] = WORLDS, zero_stages: tuple[int, ...] = (1, 2),
     recompute_modes: tuple[str, ...] = RECOMPUTE_ORDER, max_sp: int = 16, max_etp: int = 8, show: int = 10,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, host_bytes: int | None = None, gpus_per_node: int = 8,
 ) -> SearchResult:  # fmt: skip
     """The smallest world (of `worlds`, in GPUs) at which a variant of `run` fits, and up to `show` variants that
     fit there, the cheapest first: less recompute, less SP, less ETP, then less memory; when nothing fits, the
@@ -129,8 +151,10 @@ def search(
     and full recompute with the kept layer inputs offloaded to the host (the last resort: it moves them over PCIe
     twice per step). A layout whose training state alone does not fit is not traced; the others' activations are
     traced once per EP x ETP x SP x recompute x offload (EP matters: the backward holds the local experts' weight
-    gradients for a moment)."""
+    gradients for a moment). `host_bytes`: one node's host memory (`gpus_per_node` ranks per node): a layout whose
+    host does not hold what its ranks put there (`host_fits`) does not fit either."""
     cfg, seq_length = run.model, run.config.seq_length
+    offload = run.config.offload_optimizer == "cpu"
     usable = (1 - RESERVE_FRACTION) * run.gpu
     fake_world(1)  # the counts' meta builds need a world and megatron's state; each trace sets its layout's
     init_layout(1, 1, cfg)
@@ -159,10 +183,13 @@ def search(
             for zero in zero_stages:
                 if (ep, etp) in untraceable:
                     break
-                state = state_bytes(counts, world, ep, etp, zero, bf16=run.bf16,
-                                    offload=run.config.offload_optimizer == "cpu")  # fmt: skip
+                state = state_bytes(counts, world, ep, etp, zero, bf16=run.bf16, offload=offload)
                 if state.total + communication_bytes(zero, run.bf16) > usable:
                     continue
+                if offload and host_bytes is not None:  # the host's optimizer state alone, before any trace
+                    on_host = sum(host_state_split(counts, world, ep, etp, run.bf16, zero))
+                    if on_host * min(gpus_per_node, world) > (1 - HOST_RESERVE_FRACTION) * host_bytes:
+                        continue
                 for recompute, offload in variants:
                     candidate = layout.variant(zero=zero, recompute=recompute, offload_activations=offload)
                     key = (ep, etp, sp, recompute, offload)
@@ -174,7 +201,7 @@ def search(
                             break
                     memory = rank_memory(candidate, counts, profiles[key])
                     traced += 1
-                    if memory.fits:
+                    if memory.fits and (host_bytes is None or host_fits(memory, host_bytes, gpus_per_node)):
                         fitting.append(memory)
                         break  # more recompute or offload at the same layout only costs
                     elif nearest is None or memory.total < nearest.total:

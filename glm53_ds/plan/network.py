@@ -25,6 +25,13 @@ On gloo (the CPU runs the model is checked against) a rows reduce-scatter is an 
 `backend="gloo"` counts that. Ring algorithms are assumed (bytes leaving a rank: all-reduce 2 (N-1)/N, reduce-
 scatter and all-gather (N-1)/N of the whole tensor, all-to-all the part for other ranks).
 
+Under ZeRO-Offload (`--offload-optimizer cpu`) two more terms, per rank: `PCIe`, the gradient partition to the
+host (in the training dtype; ZeRO 2 at every micro-batch, ZeRO 1 once) and the updated partition back, at `pcie`
+GB/s per GPU; `host update`, DeepSpeedCPUAdam over the partition, the slower of its arithmetic (the node's
+`host_cores` shared by its ranks, at `cpu_adam_rate` elements per second per core, measured by
+benchmarks/cpu_adam.py) and its memory traffic (every rank of the node together, `HOST_ADAM_BYTES` per element plus
+the copy in the training dtype, at `host_gbps` per node).
+
 The time of a group's bytes: inside a node at `nvlink` (GB/s per GPU and direction); a group reaching several
 nodes sends the share bound for other nodes at the node's network bandwidth divided by its GPUs (a ring's bytes all
 cross the slowest link). The step: the FLOPs (flops.py) at `mfu` of `peak` plus every group's time, nothing
@@ -41,11 +48,21 @@ from ..flops import H100_BF16_TFLOPS, step_flops
 from ..parallel.rank_order import group_spans
 from .counts import ParameterCounts
 from .run import PlannedRun
+from .state import partition_elements
 
 # an H100 / H200 node: NVLink 4 (900 GB/s both directions per GPU), 8 x 400 Gb/s InfiniBand NDR per node
 NVLINK_GBPS = 450.0
 NETWORK_GBPS = 400.0
 MFU = 0.35
+# ZeRO-Offload's host side. The rate: benchmarks/cpu_adam.py, DeepSpeedCPUAdam at every core of the 2-core machine
+# that measured it (at one thread, 1.25e9: one core alone had the socket's memory bandwidth to itself).
+CPU_ADAM_RATE = 7.7e8  # elements per second per core
+HOST_CORES = 112  # an H200 node (DGX H200): 2 x 56-core Xeon Platinum 8480C
+HOST_GBPS = 500.0  # its memory: 2 sockets x 8 channels of DDR5-4800 (614 GB/s), at about 80%
+PCIE_GBPS = 50.0  # per GPU and direction: PCIe 5 x16 (64 GB/s), pinned buffers
+HOST_ADAM_BYTES = (
+    4 + 4 + 4 + 8 + 8
+)  # per element: the fp32 master read and written, its gradient read, two moments
 
 
 @dataclass
@@ -152,10 +169,26 @@ class StepTime:
     groups_s: dict[str, float]
     tokens_per_s_per_gpu: float
     bound: str
+    host_s: dict[str, float] = field(default_factory=dict)  # ZeRO-Offload: "PCIe", "host update"
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + sum(self.groups_s.values())
+        return self.compute_s + sum(self.groups_s.values()) + sum(self.host_s.values())
+
+
+def offload_times(
+    run: PlannedRun, counts: ParameterCounts, ranks_on_node: int, pcie_gbps: float = PCIE_GBPS,
+    host_cores: int = HOST_CORES, host_gbps: float = HOST_GBPS, cpu_adam_rate: float = CPU_ADAM_RATE,
+) -> dict[str, float]:  # fmt: skip
+    """Seconds per step of ZeRO-Offload's copies and host update for one rank (module docstring); {} without it."""
+    if run.config.offload_optimizer != "cpu":
+        return {}
+    c, width = run.config, 2 if run.bf16 else 4
+    elements = partition_elements(counts, run.world, c.ep, c.etp, run.bf16)
+    to_host = elements * width * (micro_batches(run) if run.zero == 2 else 1)
+    arithmetic = elements / (cpu_adam_rate * host_cores / ranks_on_node)
+    traffic = ranks_on_node * elements * (HOST_ADAM_BYTES + width) / (host_gbps * 1e9)
+    return {"PCIe": (to_host + elements * width) / (pcie_gbps * 1e9), "host update": max(arithmetic, traffic)}
 
 
 def step_time(
@@ -166,8 +199,10 @@ def step_time(
     network_gbps: float = NETWORK_GBPS,
     mfu: float = MFU,
     peak_tflops: float = H100_BF16_TFLOPS,
+    host_s: dict[str, float] | None = None,
 ) -> StepTime:
-    """The step's time (module docstring): `node[r]` is rank r's node."""
+    """The step's time (module docstring): `node[r]` is rank r's node; `host_s`: ZeRO-Offload's terms
+    (`offload_times`)."""
     c = run.config
     per_node = max(list(node).count(n) for n in set(node))
     spans = {s.name: s for s in group_spans(node, c.ep, c.etp, c.sp)}
@@ -189,8 +224,7 @@ def step_time(
             groups[group] = max(
                 nbytes * off_node / per_gpu_network, nbytes * (1 - off_node) / (nvlink_gbps * 1e9)
             )
-    terms = {"compute": compute, **groups}
+    terms = {"compute": compute, **groups, **(host_s or {})}
     total = sum(terms.values())
-    return StepTime(
-        compute, groups, tokens_per_gpu / total if total else 0.0, max(terms, key=lambda k: terms[k])
-    )
+    return StepTime(compute, groups, tokens_per_gpu / total if total else 0.0, max(terms, key=lambda k: terms[k]),
+                    dict(host_s or {}))  # fmt: skip

@@ -16,8 +16,8 @@ weight only.
                  a whole fp32 gradient and two moments on every rank
 
 With ZeRO-Offload (`--offload-optimizer cpu`, ZeRO 1 / 2) the partition's fp32 master, its fp32 gradient and
-the two moments live in host memory (`host_state_bytes`), beside a pinned copy of the partition in the training
-dtype through which the updated weights return; the GPU keeps the weights and, under ZeRO 1, the whole gradient
+the two moments live in host memory (`host_state_split`: pinned the master, the gradient and a copy of the
+partition in the training dtype through which the updated weights return; pageable the moments); the GPU keeps the weights and, under ZeRO 1, the whole gradient
 in the training dtype (ZeRO 2 copies each reduced bucket to the host: no gradient partition stays on the GPU).
 The fp32-kept tensors' own optimizer stays on the GPU.
 Reduction buckets are memory.py's; activations are activations.py's.
@@ -59,11 +59,42 @@ def _partitions(counts: ParameterCounts, world: int, ep: int, etp: int, bf16: bo
     return out
 
 
-def host_state_bytes(counts: ParameterCounts, world: int, ep: int, etp: int, bf16: bool) -> int:
-    """One rank's host memory under ZeRO-Offload: per partition element the fp32 master, its fp32 gradient, two
-    fp32 moments and the pinned copy in the training dtype (DeepSpeed 0.19.8's `cpu_offload` buffers)."""
+def host_state_split(
+    counts: ParameterCounts,
+    world: int,
+    ep: int,
+    etp: int,
+    bf16: bool,
+    zero_stage: int = 1,
+    accumulating: bool = False,
+) -> tuple[int, int]:
+    """One rank's host memory under ZeRO-Offload as (pinned, pageable) bytes, DeepSpeed 0.19.8's `cpu_offload`
+    buffers with `pin_memory` (a CUDA run): pinned per partition element the fp32 master, its fp32 gradient and
+    the copy in the training dtype through which the updated weights return, and under ZeRO 2 with gradient
+    accumulation (`accumulating`) the partition's gradients summed in the training dtype over the micro-batches;
+    pageable the two fp32 Adam moments (DeepSpeedCPUAdam makes them with `zeros_like`)."""
     width = 2 if bf16 else 4
-    return sum((4 + 4 + 8 + width) * part for _, part in _partitions(counts, world, ep, etp, bf16))
+    pinned = 4 + 4 + width + (width if zero_stage == 2 and accumulating else 0)
+    elements = partition_elements(counts, world, ep, etp, bf16)
+    return pinned * elements, 8 * elements
+
+
+def host_state_bytes(
+    counts: ParameterCounts,
+    world: int,
+    ep: int,
+    etp: int,
+    bf16: bool,
+    zero_stage: int = 1,
+    accumulating: bool = False,
+) -> int:
+    """One rank's host memory under ZeRO-Offload, pinned and pageable (`host_state_split`)."""
+    return sum(host_state_split(counts, world, ep, etp, bf16, zero_stage, accumulating))
+
+
+def partition_elements(counts: ParameterCounts, world: int, ep: int, etp: int, bf16: bool) -> int:
+    """The elements of one rank's optimizer partition (ZeRO 1 / 2): what its update touches."""
+    return sum(part for _, part in _partitions(counts, world, ep, etp, bf16))
 
 
 def state_bytes(

@@ -254,6 +254,10 @@ class Trainer(ResumeChecks, TrainSteps):
                 f"optimizer: {describe_param_groups(self.engine, c.weight_decay, c.no_decay_pattern)}",
                 file=sys.stderr,
             )
+        if c.offload_optimizer == "cpu" and self.adapters is not None:
+            state = 16 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+            self._say(f"--offload-optimizer cpu with LoRA: the adapters' optimizer state is {state / 2**20:,.1f} MiB "
+                      "per rank, and the host update and its copies cost time every step: rarely worth it")  # fmt: skip
         if self.base_checkpoint is not None:  # an adapter checkpoint's native base, before the adapters
             assert self.adapters is not None
             base_dir, base_tag, adds = *self.base_checkpoint, self.adapters.adds

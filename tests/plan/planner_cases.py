@@ -66,6 +66,19 @@ CASES: dict[str, tuple[str, ...]] = {
     "lora 32k h200 8 sp4": _released(8, 8, 1, 4, 32768, *_LORA),
     "lora 32k h100 16": _released(16, 16, 1, 16, 32768, *_LORA, *_H100),
     "lora 128k h100 32": _released(32, 32, 1, 16, 131072, *_LORA, *_H100),
+    # docs/usage.md, ZeRO-Offload: full SFT at 8k on 16 H200 fits a node of 4 TB (and not one of 2 TB)
+    "full 8k h200 16 offload 4TB": (
+        "--config",
+        "recipes/full_sft_32xh200_8k.toml",
+        "--gpus",
+        "16",
+        "--ep",
+        "16",
+        "--zero",
+        "2",
+        "--host-memory",
+        "4TB",
+    ),  # fmt: skip
     # the planner's defaults (ZeRO 1, no recompute) and its hints for a run that does not fit
     "defaults 64 ep32 etp2": _released(64, 32, 2, 1, 8192),
     # a tiny model with every memory-relevant option set
@@ -166,6 +179,8 @@ def numbers(argv: tuple[str, ...], hints: bool = True) -> dict:
         "loss_head": memory["loss_head"],
         "communication": memory["communication"],
         "host_memory": memory["host_memory"],
+        "host_state": memory["host_state"],  # --offload-optimizer cpu: pinned and pageable
+        "host_state_pageable": memory["host_state_pageable"],
         "activations_by_kind": memory["activations_by_kind"],
         "parameters": result["parameters"],
         "trainer_flags": result["trainer_flags"],

@@ -16,7 +16,7 @@ import pytest
 from benchmarks import network_bytes
 from glm53_ds.plan.__main__ import main, planned_run
 from glm53_ds.plan.counts import count_parameters
-from glm53_ds.plan.network import Traffic, step_time, step_traffic
+from glm53_ds.plan.network import Traffic, offload_times, step_time, step_traffic
 from tests.cli import ROOT
 
 GOAL = 0.05  # the issue's bound: the model within 5% of the measured bytes
@@ -129,7 +129,8 @@ def test_a_bad_link_flag_is_one_error_line(flag):
 
 
 def test_every_recipe_gets_a_step_time_and_its_bound():
-    """Each recipe's tokens/s per GPU and bounding term, at 8 GPUs per node and the default links, are the rows of
+    """Each recipe's tokens/s per GPU and bounding term, at 8 GPUs per node and the default links (and host, under
+    --offload-optimizer cpu), are the rows of
     docs/usage.md's table (the planner's JSON carries the block: tests/plan/test_plan.py)."""
     import glob
     import re
@@ -138,7 +139,9 @@ def test_every_recipe_gets_a_step_time_and_its_bound():
         docs = f.read()
     for path in sorted(glob.glob(os.path.join(ROOT, "recipes", "*.toml"))):
         run, _ = planned_run(["--config", path])
-        timing = step_time(run, step_traffic(run, count_parameters(run)), [r // 8 for r in range(run.world)])
+        counts = count_parameters(run)
+        host_s = offload_times(run, counts, min(8, run.world))  # ZeRO-Offload's recipes
+        timing = step_time(run, step_traffic(run, counts), [r // 8 for r in range(run.world)], host_s=host_s)
         name = os.path.basename(path)
         row = re.search(rf"^\| `recipes/{re.escape(name)}` \| ([\d,]+) \| ([\w ]+?) \|", docs, re.M)
         assert row, f"docs/usage.md: no step-time row for {name}"
