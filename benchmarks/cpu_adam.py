@@ -12,11 +12,15 @@
    where DeepSpeed places them: every tensor the engine holds (the module's parameters, gradients and buffers, the
    ZeRO optimizer's attributes, the optimizer's state; each storage once), and of those the host's: under offload,
    the fp32 partitions with their gradients and Adam moments, and DeepSpeed's CPU-side buffers.
+3. **Gradient accumulation in bf16.** Under ZeRO-Offload DeepSpeed sums a bf16 run's micro-batch gradients in bf16
+   (ZeRO 1 in `.grad`, ZeRO 2 in its host buffer), where the device path sums in fp32. The tiny model in bf16 over
+   `--micro` micro-batches: the bf16 sum of its gradients against the fp32 sum of the same gradients, and both
+   against the fp32 model's summed gradient (relative L2 over every matrix).
 
     python3 benchmarks/cpu_adam.py [--params 100000000] [--device cpu|cuda]
 
 Last line: `cpu_adam host_time_ratio_vs_torch=<DeepSpeedCPUAdam / torch AdamW, CPU time> elements_per_s_per_core=…
-device_state_ratio=<offloaded / not, device bytes after the step>`; JSON in benchmarks/results/cpu_adam_<device>.json.
+device_state_ratio=<offloaded / not, device bytes after the step> bf16_accumulation_error=<bf16 sum vs fp32 sum>`; JSON in benchmarks/results/cpu_adam_<device>.json.
 """
 
 from __future__ import annotations
@@ -165,11 +169,50 @@ def device_state(offload: bool, device_type: str) -> dict[str, Any]:
     return {k: v for k, v in worst.items() if k != "rank"}
 
 
+def accumulation(micro: int) -> dict[str, float]:
+    """The tiny model's gradients summed over `micro` micro-batches in bf16 and in fp32 (module docstring, 3)."""
+    import glm53_ds
+    from glm53_ds.training.presets import tiny
+
+    torch.manual_seed(0)
+    cfg = tiny()
+    fp32 = glm53_ds.build_model(cfg)
+    bf16 = glm53_ds.build_model(cfg)
+    bf16.load_state_dict(fp32.state_dict())
+    bf16.to(torch.bfloat16)
+    names = [n for n, p in fp32.named_parameters() if p.requires_grad and p.ndim >= 2]
+    low, high = dict(bf16.named_parameters()), dict(fp32.named_parameters())
+    sums = {kind: {n: torch.zeros_like(high[n]) for n in names} for kind in ("bf16", "fp32", "fp32 model")}
+    for n in names:
+        sums["bf16"][n] = sums["bf16"][n].bfloat16()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(micro):
+        ids = torch.randint(1, cfg.vocab_size, (2, 64), generator=g)
+        for model in (bf16, fp32):
+            model.zero_grad(set_to_none=True)
+            (model(ids, labels=ids) / micro).backward()
+        for n in names:
+            grad = low[n].grad
+            assert grad is not None and high[n].grad is not None
+            sums["bf16"][n] += grad
+            sums["fp32"][n] += grad.float()
+            sums["fp32 model"][n] += high[n].grad
+
+    def rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+        num = sum(float(((a[n].float() - b[n]) ** 2).sum()) for n in names)
+        return (num / sum(float((b[n] ** 2).sum()) for n in names)) ** 0.5
+
+    return dict(micro=micro, bf16_sum_vs_fp32_sum=rel(sums["bf16"], sums["fp32"]),
+                bf16_sum_vs_fp32_model=rel(sums["bf16"], sums["fp32 model"]),
+                fp32_sum_vs_fp32_model=rel(sums["fp32"], sums["fp32 model"]))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--params", type=int, default=100_000_000)
+    parser.add_argument("--micro", type=int, default=16, help="micro-batches summed (the recipes' 8-16)")
     parser.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda")
     )
@@ -186,13 +229,17 @@ def main() -> None:
     print("\nthe tiny model at EP 2, bf16 ZeRO 1, two ranks, after one AdamW step (the larger rank):")
     print_table(states, ["offload", "optimizer", "held_MiB", "host_MiB", "device_MiB", "device_peak_MiB"])
     state_ratio = states[1]["device_MiB"] / states[0]["device_MiB"]
+    summed = accumulation(args.micro)
+    print(f"\nthe tiny model's gradients over {args.micro} micro-batches in bf16 (relative L2): the bf16 sum vs the fp32 "
+          f"sum {summed['bf16_sum_vs_fp32_sum']:.4f}; against the fp32 model's, bf16 sum "
+          f"{summed['bf16_sum_vs_fp32_model']:.4f}, fp32 sum {summed['fp32_sum_vs_fp32_model']:.4f}")  # fmt: skip
     path = write_results(f"cpu_adam_{args.device}", dict(
         device=device_description(torch.device("cpu")), params=args.params, cores=cores, host_update=updates,
         device_state=states, host_time_ratio_vs_torch=ratio, elements_per_s_per_core=ds["elements_per_s_per_core"],
-        device_state_ratio=state_ratio))  # fmt: skip
+        device_state_ratio=state_ratio, accumulation=summed))  # fmt: skip
     print(f"results: {path}")
     print(f"cpu_adam host_time_ratio_vs_torch={ratio:.3f} elements_per_s_per_core={ds['elements_per_s_per_core']:.3g} "
-          f"device_state_ratio={state_ratio:.3f}")  # fmt: skip
+          f"device_state_ratio={state_ratio:.3f} bf16_accumulation_error={summed['bf16_sum_vs_fp32_sum']:.4f}")  # fmt: skip
 
 
 if __name__ == "__main__":
