@@ -33,7 +33,12 @@ from ..parallel.layout import validate_layout
 from ..parallel.rank_order import group_spans, placement_line
 from ..training.args import build_parser
 from ..training.config import TrainConfig, check_seq_length
-from ..training.option_checks import check_indexer_loss_trains, check_offload, check_recompute_losses
+from ..training.option_checks import (
+    check_indexer_loss_trains,
+    check_offload,
+    check_optimizer_offload,
+    check_recompute_losses,
+)
 from ..training.options import check_bounds, searched
 from ..training.run_file import config_path
 from .activations import plan_activations
@@ -144,8 +149,7 @@ def planned_run(argv: list[str]) -> tuple[PlannedRun, argparse.Namespace]:
     parse_bytes(config.gpu_memory)
     check_seq_length(config.seq_length, run.model)
     check_offload(config.offload_activations, config.recompute)
-    if config.offload_optimizer == "cpu" and run.zero not in (1, 2):
-        raise ValueError(f"--offload-optimizer cpu needs ZeRO 1 or 2, the run has ZeRO {run.zero} (--zero 2)")
+    check_optimizer_offload(config.offload_optimizer, run.zero, "the run has ")
     check_recompute_losses(config.recompute, config.aux_loss_coef, config.indexer_loss_coef)
     check_indexer_loss_trains(dataclasses.replace(config, trainable=run.trainable))
     return run, args

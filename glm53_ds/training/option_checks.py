@@ -261,6 +261,14 @@ def check_offload(offload_activations: bool, recompute: str) -> None:
                          "recompute keeps of each layer; add --recompute full")  # fmt: skip
 
 
+def check_optimizer_offload(offload_optimizer: str, zero_stage: int, source: str) -> None:
+    """--offload-optimizer cpu partitions the optimizer state to offload it: refused at ZeRO 0 (DeepSpeed would
+    ignore the setting), the trainer and the planner; `source`: where the stage came from, as the message says it."""
+    if offload_optimizer == "cpu" and zero_stage not in (1, 2):
+        raise SetupError(f"--offload-optimizer cpu needs ZeRO 1 or 2; {source}ZeRO {zero_stage} "
+                         "(give --deepspeed_config ds_configs/zero2_bf16.json, say)")  # fmt: skip
+
+
 def resolve_config(args: argparse.Namespace) -> TrainConfig:
     """The run's `TrainConfig` from its parsed arguments: the defaults resolved, every check that needs no process
     group run; a `SetupError` names the first bad option."""

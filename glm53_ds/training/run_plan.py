@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..config import Glm53Config
 from .config import SetupError, TrainConfig
 from .model_source import resolve_model
+from .option_checks import check_optimizer_offload
 
 
 def agreed(fn: Any) -> Any:
@@ -146,10 +147,7 @@ def apply_optimizer_offload(ds: dict[str, Any], offload: str, path: str | None) 
                          "with --offload-optimizer cpu (the run records it, the planner counts it)")  # fmt: skip
     if offload == "none":
         return
-    stage = zero_stage_and_bf16(ds)[0]
-    if stage not in (1, 2):
-        raise SetupError(f"--offload-optimizer cpu needs ZeRO 1 or 2; {named or 'the default config: '}ZeRO {stage} "
-                         "(give --deepspeed_config ds_configs/zero2_bf16.json, say)")  # fmt: skip
+    check_optimizer_offload(offload, zero_stage_and_bf16(ds)[0], named or "the default config: ")
     zero = ds.setdefault("zero_optimization", {})
     zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
 

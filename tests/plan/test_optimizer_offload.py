@@ -43,6 +43,11 @@ def test_the_deepspeed_config_it_makes_and_refuses():
         SetupError, match=r"offload_optimizer.device 'nvme': glm53_ds offloads to the host only"
     ):
         apply_optimizer_offload(nvme, "cpu", "z.json")
+    # the planner refuses what the trainer refuses, in the same words (one check: option_checks)
+    from glm53_ds.plan.__main__ import planned_run
+
+    with pytest.raises(SetupError, match=r"^--offload-optimizer cpu needs ZeRO 1 or 2; the run has ZeRO 0"):
+        planned_run(["--model-config", "tiny", "--offload-optimizer", "cpu", "--zero", "0", "--seq-length", "256"])
 
 
 @pytest.mark.parametrize("zero", [1, 2])
