@@ -47,7 +47,9 @@ def test_the_deepspeed_config_it_makes_and_refuses():
     from glm53_ds.plan.__main__ import planned_run
 
     with pytest.raises(SetupError, match=r"^--offload-optimizer cpu needs ZeRO 1 or 2; the run has ZeRO 0"):
-        planned_run(["--model-config", "tiny", "--offload-optimizer", "cpu", "--zero", "0", "--seq-length", "256"])
+        planned_run(
+            ["--model-config", "tiny", "--offload-optimizer", "cpu", "--zero", "0", "--seq-length", "256"]
+        )
 
 
 @pytest.mark.parametrize("zero", [1, 2])
@@ -124,3 +126,50 @@ def test_the_search_counts_the_hosts_memory_under_offload():
         close_distributed()
     assert unbounded.world == 2
     assert bounded.world == 4 and all(host_per_node(m, 2) <= 0.75 * at_two for m in bounded.fitting)
+
+
+def test_pinned_and_pageable_host_memory():
+    """Pinned: the fp32 master, its fp32 gradient and the copy in the training dtype, plus (ZeRO 2 accumulating over
+    micro-batches) DeepSpeed's gradient sums in the training dtype; pageable: the two fp32 moments."""
+    from glm53_ds.plan.state import host_state_split, partition_elements
+
+    run = PlannedRun.for_model(Glm53Config.from_text_dict(CONFIG_A), zero=2, bf16=True, ep=2, gpus=4)
+    counts = count_parameters(run)
+    n = partition_elements(counts, 4, 2, 1, True)
+    assert host_state_split(counts, 4, 2, 1, True, 1, accumulating=True) == (10 * n, 8 * n)
+    assert host_state_split(counts, 4, 2, 1, True, 2, accumulating=False) == (10 * n, 8 * n)
+    assert host_state_split(counts, 4, 2, 1, True, 2, accumulating=True) == (12 * n, 8 * n)
+    n32 = partition_elements(
+        counts, 4, 2, 1, False
+    )  # fp32: the fp32-kept tensors in DeepSpeed's partition too
+    assert n32 > n and host_state_split(counts, 4, 2, 1, False, 2, accumulating=True) == (16 * n32, 8 * n32)
+
+
+def test_the_host_update_and_the_copies_join_the_step_time():
+    """`offload_times`: the PCIe copies (ZeRO 2 sends each micro-batch's gradient partition, ZeRO 1 one), and the
+    host update, the slower of DeepSpeedCPUAdam's arithmetic (the node's cores shared by its ranks) and its memory
+    traffic; both are terms of the step, and can bound it."""
+    import dataclasses
+
+    from glm53_ds.plan.network import HOST_ADAM_BYTES, micro_batches, offload_times, step_time, step_traffic
+    from glm53_ds.plan.state import partition_elements
+
+    base = PlannedRun.for_model(Glm53Config.from_text_dict(CONFIG_A), zero=2, bf16=True, ep=2, gpus=4)
+    assert offload_times(base, count_parameters(base), 4) == {}  # no offload, no terms
+    config = dataclasses.replace(base.config, offload_optimizer="cpu", global_batch_size=32)
+    run = dataclasses.replace(base, config=config)
+    counts = count_parameters(run)
+    n, micro = partition_elements(counts, 4, 2, 1, True), micro_batches(run)
+    assert micro == 4
+    fast_memory = offload_times(run, counts, 4, pcie_gbps=1.0, host_cores=8, host_gbps=1e9, cpu_adam_rate=1e6)
+    assert fast_memory["PCIe"] == pytest.approx((micro + 1) * 2 * n / 1e9)
+    assert fast_memory["host update"] == pytest.approx(n / (1e6 * 8 / 4))  # 2 cores per rank
+    slow_memory = offload_times(run, counts, 4, host_cores=8, host_gbps=1e-3, cpu_adam_rate=1e6)
+    assert slow_memory["host update"] == pytest.approx(4 * n * (HOST_ADAM_BYTES + 2) / 1e6)
+    zero1 = offload_times(dataclasses.replace(run, zero=1), counts, 4, pcie_gbps=1.0)
+    assert zero1["PCIe"] == pytest.approx(2 * 2 * n / 1e9)  # once down, once up
+    timing = step_time(run, step_traffic(run, counts), [0] * 4, host_s=slow_memory)
+    assert timing.bound == "host update" and timing.host_s == slow_memory
+    assert timing.total_s == pytest.approx(
+        timing.compute_s + sum(timing.groups_s.values()) + sum(slow_memory.values())
+    )
