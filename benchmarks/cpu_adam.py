@@ -6,7 +6,8 @@
    process CPU time beside wall time, medians of 3, at 1 thread; DeepSpeedCPUAdam again at every core. The
    planner's host-update term divides a rank's partition by the rate measured here, per core
    (`glm53_ds.plan.network.CPU_ADAM_ELEMENTS_PER_S_PER_CORE`).
-2. **The device side of a step.** Two ranks (gloo, or NCCL on two GPUs), the tiny model at EP 2, bf16 ZeRO 1,
+2. **The device side of a step.** Two ranks (gloo, or NCCL on two GPUs; one GPU: one rank at EP 1), the tiny model
+   at EP 2, bf16 ZeRO 1,
    one AdamW step, with and without `offload_optimizer: cpu`. On CUDA: the caching allocator's bytes after the
    step and its peak over the step. On CPU every tensor lives in the same memory, so the bytes are counted by
    where DeepSpeed places them: every tensor the engine holds (the module's parameters, gradients and buffers, the
@@ -157,7 +158,7 @@ def _rank(rank: int, world: int, port: int, offload: bool, device_type: str, out
 def device_state(offload: bool, device_type: str) -> dict[str, Any]:
     from glm53_ds.parallel.state import free_port
 
-    world = 2
+    world = 2 if device_type == "cpu" else min(2, torch.cuda.device_count())  # EP = world: 2, or 1 on one GPU
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_rank, args=(world, free_port(), offload, device_type, out_dir), nprocs=world,
                            start_method="spawn")  # fmt: skip
