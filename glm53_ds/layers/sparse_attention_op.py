@@ -51,7 +51,7 @@ def _(
     q_lat: torch.Tensor, latent: torch.Tensor, tokens: torch.Tensor, scaling: float, rows: int
 ) -> torch.Tensor:
     check_contract(q_lat, latent, tokens)
-    return torch.empty_like(q_lat)
+    return torch.empty_like(q_lat, memory_format=torch.contiguous_format)  # the blocks' output is contiguous
 
 
 @torch.library.custom_op("glm53::sparse_attention_reference_backward", mutates_args=())
