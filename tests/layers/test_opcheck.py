@@ -16,6 +16,7 @@ import torch
 from torch.library import opcheck
 
 from glm53_ds.layers import block_fp8, kda_ops, sparse_attention, sparse_attention_triton  # noqa: F401  (their ops)
+from glm53_ds.layers.moe import grouped_mm  # noqa: F401
 from glm53_ds.mhc import hc_post_op  # noqa: F401
 
 
@@ -93,7 +94,17 @@ def _block_fp8_grouped_mm() -> list[tuple]:
     return [(x, data, scale, blocks, blocks, offs, True), (x, data, scale, blocks, blocks, offs, False)]
 
 
+def _grouped_mm() -> list[tuple]:
+    """Both forms the experts use, fp32 (bf16 goes to torch's own op): rows through their group's matrix, and the
+    per-group products over the rows (weight gradients). Offsets leave the last group empty."""
+    g = torch.Generator().manual_seed(4)
+    rows, weights = torch.randn(12, 16, generator=g), torch.randn(3, 16, 8, generator=g)
+    offs = torch.tensor([5, 12, 12], dtype=torch.int32)
+    return [(rows, weights, offs), (rows.t(), torch.randn(12, 8, generator=g), offs)]
+
+
 SAMPLES: dict[str, Callable[[], list[tuple]]] = {
+    "glm53::grouped_mm": _grouped_mm,
     "glm53::sparse_attention_reference": _sparse_reference,
     "glm53::sparse_attention_reference_backward": _sparse_reference_backward,
     "glm53::sparse_attention_triton": _sparse_triton,

@@ -44,6 +44,7 @@ from ..block_fp8 import (
     register_block_fp8,
 )
 from ..lora import GroupedLora
+from .grouped_mm import grouped_mm
 from .token_permutation import RoutedTokens
 
 
@@ -86,22 +87,22 @@ class _GroupedSwiGLU(torch.autograd.Function):
         offs: torch.Tensor,
         limit: float | None,
     ) -> torch.Tensor:
-        h = torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=offs)  # [N, 2I]
+        h = grouped_mm(rows, gate_up.transpose(-2, -1), offs)  # [N, 2I]
         act = _clamped_swiglu(h, limit)  # [N, I]
         ctx.save_for_backward(rows, gate_up, down, offs, h)
         ctx.limit = limit
-        return torch._grouped_mm(act.contiguous(), down.transpose(-2, -1), offs=offs)  # [N, D]
+        return grouped_mm(act.contiguous(), down.transpose(-2, -1), offs)  # [N, D]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         rows, gate_up, down, offs, h = ctx.saved_tensors
         grad = grad.contiguous()
         act = _clamped_swiglu(h, ctx.limit).contiguous()  # recomputed: cheaper than keeping it
-        d_act = torch._grouped_mm(grad, down, offs=offs)  # [N, D] x [E, D, I] -> [N, I]
-        d_down = torch._grouped_mm(grad.t(), act, offs=offs)  # [D, N] x [N, I] per expert -> [E, D, I]
+        d_act = grouped_mm(grad, down, offs)  # [N, D] x [E, D, I] -> [N, I]
+        d_down = grouped_mm(grad.t(), act, offs)  # [D, N] x [N, I] per expert -> [E, D, I]
         d_h = _clamped_swiglu_backward(h, d_act, ctx.limit).contiguous()  # [N, 2I]
-        d_rows = torch._grouped_mm(d_h, gate_up, offs=offs)  # [N, 2I] x [E, 2I, D] -> [N, D]
-        d_gate_up = torch._grouped_mm(d_h.t(), rows, offs=offs)  # [E, 2I, D]
+        d_rows = grouped_mm(d_h, gate_up, offs)  # [N, 2I] x [E, 2I, D] -> [N, D]
+        d_gate_up = grouped_mm(d_h.t(), rows, offs)  # [E, 2I, D]
         return d_rows, d_gate_up, d_down, None, None
 
 
@@ -133,16 +134,14 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(rows, weight, offs)
-        return torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offs)
+        return grouped_mm(rows, weight.transpose(-2, -1), offs)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         rows, weight, offs = ctx.saved_tensors
         grad = grad.contiguous()
-        d_rows = torch._grouped_mm(grad, weight, offs=offs) if ctx.needs_input_grad[0] else None  # [N, in]
-        d_weight = (
-            torch._grouped_mm(grad.t(), rows, offs=offs) if ctx.needs_input_grad[1] else None
-        )  # [E, out, in]
+        d_rows = grouped_mm(grad, weight, offs) if ctx.needs_input_grad[0] else None  # [N, in]
+        d_weight = grouped_mm(grad.t(), rows, offs) if ctx.needs_input_grad[1] else None  # [E, out, in]
         return d_rows, d_weight, None
 
 
