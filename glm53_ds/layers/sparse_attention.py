@@ -210,9 +210,13 @@ class _BlindRows(torch.autograd.Function):
         blind: torch.Tensor,
         q: torch.Tensor,
         keys: torch.Tensor,
-        values: torch.Tensor,
+        values: torch.Tensor | None,
         scaling: float,
     ) -> torch.Tensor:
+        # values None: the keys are the values (the latent form), one input (torch.compile refuses the same
+        # tensor twice in an autograd.Function), its gradient the sum of both
+        ctx.shared = values is None
+        values = keys if values is None else values
         ctx.save_for_backward(blind, q, keys, values)
         ctx.scaling = scaling
         mean = values.to(torch.promote_types(values.dtype, torch.float32)).mean(1, keepdim=True).to(out.dtype)
@@ -236,11 +240,13 @@ class _BlindRows(torch.autograd.Function):
             if keys.shape[2] != heads:  # keys shared by the heads
                 n = n.sum(1, keepdim=True)
             d_k = (c / length * torch.einsum("bhde,blhe->blhd", n, v_centered)).to(keys.dtype)
-        if ctx.needs_input_grad[4]:
+        if ctx.needs_input_grad[4] or (ctx.shared and ctx.needs_input_grad[3]):
             total = g.sum(1, keepdim=True)  # [b, 1, h, dv]
             if values.shape[2] != heads:
                 total = total.sum(2, keepdim=True)
             d_v = (total / length).expand_as(values).to(values.dtype)
+        if ctx.shared:  # as autograd would sum the two uses' gradients
+            d_k, d_v = (None if d_k is None else d_k + d_v), None
         return grad.masked_fill(rows, 0.0), None, d_q, d_k, d_v, None
 
 
@@ -260,7 +266,7 @@ def blind_rows(
     form's latent for both). Without attention dropout: `_BlindRows`, closed form, no host sync. With dropout (its
     mask is drawn per blind row): softmax(x - x.detach()) v on the blind rows found on the host (one sync)."""
     if dropout == 0.0:
-        return _BlindRows.apply(out, blind, q, keys, values, scaling)
+        return _BlindRows.apply(out, blind, q, keys, None if values is keys else values, scaling)
     if not blind.any():
         return out
     batch_index, query_index = blind.nonzero(as_tuple=True)  # sorted by batch element, then position
