@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.measure import cpu_and_wall, device_description, print_table, write_results  # noqa: E402
+from benchmarks.measure import cpu_and_wall, device_description, join_rank, print_table, write_results  # noqa: E402
 
 
 def _parameters(n: int) -> list[torch.Tensor]:
@@ -100,8 +100,7 @@ def _collect(obj: Any, into: dict[int, torch.Tensor], depth: int = 0) -> None:
 
 
 def _rank(rank: int, world: int, port: int, offload: bool, device_type: str, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")  # fmt: skip
+    device = join_rank(rank, world, port, device_type)
     import glm53_ds
     from glm53_ds.engine import init_distributed
     from glm53_ds.model import Glm53Model
@@ -109,10 +108,6 @@ def _rank(rank: int, world: int, port: int, offload: bool, device_type: str, out
     from glm53_ds.transformer_config import make_transformer_config
     from tests.model_fixtures import CONFIG_A
 
-    torch.set_num_threads(1)
-    device = torch.device(device_type, rank if device_type == "cuda" else 0)
-    if device_type == "cuda":
-        torch.cuda.set_device(device)
     init_distributed()
     layout = init_layout(world, 1)
     cfg = glm53_ds.Glm53Config.from_text_dict(CONFIG_A)

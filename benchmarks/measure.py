@@ -152,6 +152,18 @@ def device_description(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
+def join_rank(rank: int, world: int, port: int, device_type: str) -> torch.device:
+    """A spawned benchmark rank's set-up before its process group: the launcher's variables (one host), one
+    thread, its device (CUDA: GPU `rank`, made current)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")  # fmt: skip
+    torch.set_num_threads(1)
+    device = torch.device(device_type, rank if device_type == "cuda" else 0)
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
 def write_results(name: str, payload: dict[str, Any]) -> str:
     os.makedirs(RESULTS_DIR, exist_ok=True)
     path = os.path.join(RESULTS_DIR, f"{name}.json")

@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.measure import PeakRss, device_description, print_table, write_results  # noqa: E402
+from benchmarks.measure import PeakRss, device_description, join_rank, print_table, write_results  # noqa: E402
 from tests.model_fixtures import CONFIG_A  # noqa: E402
 
 TEXT = dict(CONFIG_A, num_attention_heads=4, num_key_value_heads=4, linear_num_heads=4,
@@ -37,8 +37,7 @@ TEXT = dict(CONFIG_A, num_attention_heads=4, num_key_value_heads=4, linear_num_h
 
 
 def _rank(rank: int, world: int, port: int, tokens: int, device_type: str, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")  # fmt: skip
+    device = join_rank(rank, world, port, device_type)
     import torch.distributed as dist
 
     import glm53_ds
@@ -46,10 +45,6 @@ def _rank(rank: int, world: int, port: int, tokens: int, device_type: str, out_d
     from glm53_ds.parallel import init_layout
     from glm53_ds.transformer_config import make_transformer_config
 
-    torch.set_num_threads(1)
-    device = torch.device(device_type, rank if device_type == "cuda" else 0)
-    if device_type == "cuda":
-        torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world)
     layout = init_layout(1, 1, sp=world)
     cfg = glm53_ds.Glm53Config.from_text_dict(TEXT)

@@ -79,19 +79,6 @@ def host_state_split(
     return pinned * elements, 8 * elements
 
 
-def host_state_bytes(
-    counts: ParameterCounts,
-    world: int,
-    ep: int,
-    etp: int,
-    bf16: bool,
-    zero_stage: int = 1,
-    accumulating: bool = False,
-) -> int:
-    """One rank's host memory under ZeRO-Offload, pinned and pageable (`host_state_split`)."""
-    return sum(host_state_split(counts, world, ep, etp, bf16, zero_stage, accumulating))
-
-
 def partition_elements(counts: ParameterCounts, world: int, ep: int, etp: int, bf16: bool) -> int:
     """The elements of one rank's optimizer partition (ZeRO 1 / 2): what its update touches."""
     return sum(part for _, part in _partitions(counts, world, ep, etp, bf16))
@@ -101,7 +88,7 @@ def state_bytes(
     counts: ParameterCounts, world: int, ep: int, etp: int, zero_stage: int, bf16: bool, offload: bool = False
 ) -> StateBytes:
     """One rank's training state on its GPU at the layout (`world` ranks, `ep` x `etp`), ZeRO `zero_stage`, bf16
-    or fp32; `offload`: ZeRO-Offload (what moves to the host: `host_state_bytes`)."""
+    or fp32; `offload`: ZeRO-Offload (what moves to the host: `host_state_split`)."""
     if zero_stage not in (0, 1, 2):
         raise ValueError(f"ZeRO stage {zero_stage}: glm53_ds trains with stages 0, 1 and 2")
     if offload and zero_stage == 0:

@@ -10,7 +10,7 @@ import pytest
 from glm53_ds.config import Glm53Config
 from glm53_ds.plan.counts import count_parameters
 from glm53_ds.plan.run import PlannedRun
-from glm53_ds.plan.state import host_state_bytes, state_bytes
+from glm53_ds.plan.state import host_state_split, state_bytes
 from glm53_ds.training.config import SetupError
 from glm53_ds.training.run_plan import apply_optimizer_offload, optimizer_offload
 from tests.model_fixtures import CONFIG_A
@@ -62,7 +62,7 @@ def test_what_moves_to_the_host(zero, bf16):
     counts = count_parameters(run)
     on_gpu = state_bytes(counts, 4, 2, 1, zero, bf16)
     offloaded = state_bytes(counts, 4, 2, 1, zero, bf16, offload=True)
-    host = host_state_bytes(counts, 4, 2, 1, bf16)
+    host = sum(host_state_split(counts, 4, 2, 1, bf16))
     width = 2 if bf16 else 4
     parts = {"replicated": -(-counts.trained["replicated"] // 4), "expert": -(-counts.trained["expert"] // 2)}
     if not bf16:
