@@ -94,6 +94,9 @@ class Glm53Model(nn.Module):
         "ffn_hc.scale",
     ]
 
+    # the output layer + cross entropy of every head in one call (glm53_ds/compile.py compiles it per model)
+    loss_head = staticmethod(linear_cross_entropy)
+
     def __init__(
         self,
         config: Glm53TransformerConfig,
@@ -249,7 +252,7 @@ class Glm53Model(nn.Module):
             norm = torch.stack([(whole != IGNORE_INDEX).sum() for whole in wholes])
         else:
             norm = torch.as_tensor(normalizers, dtype=torch.float32, device=labels.device)
-        return linear_cross_entropy(
+        return self.loss_head(
             torch.cat([n.reshape(s * b, d) for n in normed]), self.output_layer.weight, torch.cat(targets),
             norm, chunk_bytes=self.config.loss_chunk_bytes, groups=len(normed),
         ).reshape(len(normed))  # fmt: skip

@@ -14,7 +14,7 @@ layers of stage r (megatron's split rules); docs/usage.md has the rest.
 
 from __future__ import annotations
 
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlockSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -23,6 +23,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from .config import Glm53Config
 from .layers.kda import KimiDeltaAttention
+from .layers.linear import RowParallelLinearWithGroup
 from .layers.mla import SparseMLA
 from .layers.moe import Glm53MoE
 from .layers.mtp import Glm53MtpLayer, Glm53MtpSubmodules
@@ -55,7 +56,7 @@ def _hyper_connection_spec(cfg: Glm53Config) -> ModuleSpec:
 
 def _dense_mlp_spec() -> ModuleSpec:
     return ModuleSpec(
-        module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+        module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinearWithGroup)
     )
 
 

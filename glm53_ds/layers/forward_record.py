@@ -6,15 +6,16 @@ adds what it computed: the MoE's sequence-wise balance loss, a trained DSA index
 expert. Outside a record (a stock megatron `GPTModel` built from the specs, a layer called alone)
 nothing is kept. Nothing is left on the modules between forwards, and nothing is found by scanning them.
 
-The record lives in a `ContextVar`: a recompute in backward (activation checkpointing) runs after the forward has
-closed its record and adds nothing twice.
+The open records are a module-level stack, innermost last: a recompute in backward (activation checkpointing) runs
+after the forward has closed its record and adds nothing twice. Not a `ContextVar`, which torch.compile cannot
+read; a compiled region (glm53_ds/compile.py) runs inside a record of its own (`region_record`), empty at every
+call, so that its guards do not depend on how many layers added to the forward's record before it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -36,20 +37,33 @@ class ForwardRecord:
         return torch.stack(self.indexer_losses).sum() if self.indexer_losses else None
 
 
-_CURRENT: ContextVar[ForwardRecord | None] = ContextVar("glm53_forward_record", default=None)
+_OPEN: list[ForwardRecord] = []  # the open records, innermost last
 
 
 @contextmanager
 def recording() -> Iterator[ForwardRecord]:
     """A fresh record for the forward run inside (records do not nest: the inner one takes what is added)."""
     record = ForwardRecord()
-    token = _CURRENT.set(record)
+    _OPEN.append(record)
     try:
         yield record
     finally:
-        _CURRENT.reset(token)
+        _OPEN.pop()  # context managers close innermost first
 
 
 def current_record() -> ForwardRecord | None:
     """The open record, or None (nothing is being recorded)."""
-    return _CURRENT.get()
+    return _OPEN[-1] if _OPEN else None
+
+
+@contextmanager
+def region_record() -> Iterator[None]:
+    """A compiled region's own record, always open and empty on entry; what the region added goes to the
+    enclosing record when one is open (a recompute in backward, under none, keeps nothing)."""
+    outer = current_record()
+    with recording() as inner:
+        yield
+    if outer is not None:
+        outer.aux_losses += inner.aux_losses
+        outer.indexer_losses += inner.indexer_losses
+        outer.expert_loads += inner.expert_loads

@@ -64,6 +64,15 @@ def _clamped_swiglu_backward(h: torch.Tensor, grad: torch.Tensor, limit: float |
     gate_c, up_c = gate, up
     if limit is not None:
         gate_c, up_c = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    if torch.compiler.is_compiling():
+        # Dynamo refuses `out=` into the halves' (strided) views; inductor fuses this into one kernel that writes
+        # d_h, so the compiled graph holds no more than eager's `out=` path below.
+        d_gate = torch.ops.aten.silu_backward(grad * up_c, gate_c)
+        d_up = grad * F.silu(gate_c)
+        if limit is not None:
+            d_gate = d_gate.masked_fill(gate > limit, 0.0)
+            d_up = d_up.masked_fill((up < -limit) | (up > limit), 0.0)
+        return torch.cat([d_gate, d_up], dim=-1)
     d_h = torch.empty_like(h)
     d_gate, d_up = d_h.chunk(2, dim=-1)
     torch.ops.aten.silu_backward(grad * up_c, gate_c, grad_input=d_gate)  # grad·up·silu'(gate), one pass

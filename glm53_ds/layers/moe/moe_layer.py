@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -19,6 +19,7 @@ from ...parallel.sequence import SequenceParallel
 from ...transformer_config import Glm53TransformerConfig
 from ..block_fp8 import SHARED, compute_like, mlp_linears
 from ..forward_record import current_record
+from ..linear import RowParallelLinearWithGroup
 from ..token_tiles import over_token_tiles, tile_rows
 from .experts import GroupedExperts
 from .router import TopKRouter
@@ -59,7 +60,7 @@ class Glm53MoE(nn.Module):
             # (as megatron's SharedExpertMLP does).
             shared_config = copy.copy(config)
             shared_config.ffn_hidden_size = cfg.moe_intermediate_size * cfg.n_shared_experts
-            fc1, fc2 = mlp_linears(config, SHARED) or (ColumnParallelLinear, RowParallelLinear)
+            fc1, fc2 = mlp_linears(config, SHARED) or (ColumnParallelLinear, RowParallelLinearWithGroup)
             self.shared_experts = MLP(
                 shared_config,
                 MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2),

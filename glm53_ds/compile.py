@@ -1,0 +1,78 @@
+"""`--compile`: torch.compile applied by region, as torchtitan compiles each transformer block.
+
+The regions: every decoder layer (`Glm53TransformerLayer.forward`), every MTP layer (`Glm53MtpLayer.predict`, its
+own transformer layer inside) and the loss head (`linear_cross_entropy`, the chunked output layer + cross entropy).
+Each is compiled with `fullgraph=True`, so a graph break is an error where it happens, not a silent fall back to
+eager. Layers of one kind share one compiled code: the code object is the class's, and torch.compile (with its
+default `inline_inbuilt_nn_modules`) takes the module's parameters as inputs, not as constants.
+
+Outside the regions (eager): the embedding, the input checks and their one host read, megatron's block loop (and
+its full recompute), the stream mean and the final norm, the head's target shifts. Inside, a region runs in a
+record of its own (`forward_record.region_record`), so what a layer hands out (balance losses, expert loads) does
+not make its guards depend on the layers before it.
+
+Regions are replaced in place (an instance attribute over the method), so parameter names, state dicts and
+checkpoints are those of the eager model; `compiled_regions` lists what was compiled.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .layers.forward_record import region_record
+from .layers.mtp import Glm53MtpLayer
+from .transformer_layer import Glm53TransformerLayer
+
+COMPILED = "_glm53_compiled"  # set on a module (or the model, for the loss head) whose region is compiled
+
+
+def _compiled(fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with region_record():
+            return compiled(*args, **kwargs)
+
+    return run
+
+
+def _compile_method(module: nn.Module, method: str, backend: str) -> None:
+    if getattr(module, COMPILED, False):
+        return
+    setattr(module, method, _compiled(getattr(module, method), backend))
+    setattr(module, COMPILED, True)
+
+
+def apply_compile(model: nn.Module, backend: str = "inductor") -> list[str]:
+    """Compile `model`'s regions in place (idempotent); returns their names, the loss head as `loss_head`.
+    `backend`: torch.compile's (tests trace with "aot_eager": the same graphs, forward and backward, no code
+    generated)."""
+    names = []
+    mtp_layers = {id(m) for m in model.modules() if isinstance(m, Glm53MtpLayer)}
+    inside_mtp = {
+        id(sub) for m in model.modules() if id(m) in mtp_layers for sub in m.modules() if sub is not m
+    }
+    for name, module in model.named_modules():
+        if isinstance(module, Glm53MtpLayer):
+            _compile_method(module, "predict", backend)
+            names.append(name)
+        elif isinstance(module, Glm53TransformerLayer) and id(module) not in inside_mtp:
+            _compile_method(module, "forward", backend)
+            names.append(name)
+    if hasattr(model, "loss_head") and not getattr(model, COMPILED, False):
+        model.loss_head = _compiled(model.loss_head, backend)
+        setattr(model, COMPILED, True)
+        names.append("loss_head")
+    return names
+
+
+def compiled_regions(model: nn.Module) -> list[str]:
+    """The names of `model`'s compiled regions (`apply_compile`'s answer), [] for an eager model."""
+    names = [name for name, m in model.named_modules() if name and getattr(m, COMPILED, False)]
+    return names + (["loss_head"] if getattr(model, COMPILED, False) else [])
