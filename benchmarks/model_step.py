@@ -22,6 +22,12 @@ they take at the GPU's bf16 peak; each row gives TFLOP/s (and MFU on a known GPU
 glm53_ds step (`HostSyncCounter`, an untimed extra step) go to each row and, per
 decoder layer / MTP depth / backward, to the JSON's summary.
 
+`--compile`: a third model, glm53_ds under `glm53_ds.compile.apply_compile` (inductor: each decoder layer, the MTP
+layer and the loss head), timed after its compiling step; each row gets process CPU time (1 thread) beside wall
+time and the peak RSS of the step (PeakRss; the tensor count cannot see inductor's buffers), and the last line adds
+`compiled_time_ratio_vs_eager`, `compiled_rss_ratio_vs_eager` and `compiled_time_ratio_vs_hf` (CPU time).
+Sizes for it: `tiny` and `medium` (hidden 512). Run it with MALLOC_MMAP_THRESHOLD_=65536 (measure.PeakRss).
+
 Last line: `model_step time_ratio_vs_hf=<ours/HF> mem_ratio_vs_hf=<ours/HF> packed_time_ratio_vs_padded=...
 packed_mem_ratio_vs_padded=...` at the longest sequence both models ran.
 JSON goes to benchmarks/results/model_step_<device>[_<size>].json.
@@ -40,7 +46,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import glm53_ds  # noqa: E402
-from benchmarks.measure import device_description, peak_extra_bytes, print_table, time_call, write_results  # noqa: E402
+from benchmarks.measure import (  # noqa: E402
+    PeakRss,
+    cpu_and_wall,
+    device_description,
+    peak_extra_bytes,
+    print_table,
+    time_call,
+    write_results,
+)
+from glm53_ds.compile import apply_compile  # noqa: E402
 from glm53_ds.config import Glm53Config  # noqa: E402
 from glm53_ds.flops import device_peak_tflops, step_flops  # noqa: E402
 from glm53_ds.hf_loader import load_hf_state_into  # noqa: E402
@@ -50,6 +65,9 @@ from tests.model_fixtures import CONFIG_A, perturb_  # noqa: E402
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(CONFIG_A, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, index_topk=64,
                  index_kpool=16, num_attention_heads=4, num_key_value_heads=4, linear_num_heads=4),
+    "medium": dict(CONFIG_A, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, index_topk=64,
+                   index_kpool=16, num_attention_heads=8, num_key_value_heads=8, linear_num_heads=8,
+                   linear_head_dim=64, q_lora_rank=256, kv_lora_rank=128),
     "real": dict(CONFIG_A, vocab_size=32768, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=2048,
                  num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["indexed_attention"],
                  indexer_types=["full"] * 4, mlp_layer_types=["dense"] + ["sparse"] * 3, n_routed_experts=16,
@@ -138,12 +156,21 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="also glm53_ds compiled (inductor), see above")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
     dtype_name = args.dtype or ("fp32" if args.size == "tiny" else "bf16")
     seqs = args.seq or ([512, 2048] if args.size == "tiny" else [4096, 16384])
     text = SIZES[args.size]
     hf, ours = build_pair(text, DTYPES[dtype_name], device)
+    models = {"hf": hf, "glm53_ds": ours}
+    if args.compile:  # the same weights, compiled by region
+        compiled = glm53_ds.build_model(Glm53Config.from_text_dict(text), dtype=DTYPES[dtype_name], mtp=False)
+        compiled.to(device).load_state_dict(ours.state_dict())
+        apply_compile(compiled.train())
+        models["glm53_ds_compiled"] = compiled
 
     rows = []
     counts: dict[int, Any] = {}  # host syncs and aten ops per step, by scope (glm53_ds/host_syncs.py)
@@ -173,14 +200,25 @@ def main() -> None:
             "hf": lambda ids=ids: hf(input_ids=ids, labels=ids).loss.backward(),
             "glm53_ds": lambda ids=ids: ours(ids, labels=ids).backward(),
         }
+        if args.compile:
+            steps["glm53_ds_compiled"] = lambda ids=ids: models["glm53_ds_compiled"](
+                ids, labels=ids
+            ).backward()
         for name, step in steps.items():
-            model = hf if name == "hf" else ours
+            model = models[name]
             row: dict[str, Any] = dict(model=name, seq=seq, batch=args.batch, dtype=dtype_name)
             try:
-                seconds = time_call(step, device, warmup=1, repeats=args.repeats)
-                peak = peak_extra_bytes(step, list(model.parameters()))
-                row.update(step_s=seconds, tokens_per_s=args.batch * seq / seconds, peak_MiB=peak / 2**20,
-                           tflops=model_flops / seconds / 1e12)  # fmt: skip
+                if name == "glm53_ds_compiled":
+                    print(f"compiling (seq {seq}) ...", flush=True)
+                    with PeakRss():  # the compiling step, untimed
+                        step()
+                cpu_s, seconds = cpu_and_wall(step, device, repeats=args.repeats)
+                with PeakRss() as rss:
+                    step()
+                if name != "glm53_ds_compiled":  # inductor's buffers are not dispatched tensors
+                    row.update(peak_MiB=peak_extra_bytes(step, list(model.parameters())) / 2**20)
+                row.update(step_s=seconds, cpu_s=cpu_s, tokens_per_s=args.batch * seq / seconds,
+                           rss_MiB=rss.extra / 2**20, tflops=model_flops / seconds / 1e12)  # fmt: skip
                 if peak_tflops:
                     row.update(mfu=row["tflops"] / peak_tflops)
             except torch.OutOfMemoryError:
@@ -196,8 +234,8 @@ def main() -> None:
     print(f"packed vs padded ({packed['documents']} documents, {packed['tokens']} tokens, padded batch "
           f"{packed['padded_shape']}): time {packed['time_ratio']:.3f}, memory {packed['mem_ratio']:.3f}")  # fmt: skip
     print(f"device: {device_description(device)}")
-    print_table(rows, ["model", "seq", "batch", "dtype", "step_s", "tokens_per_s", "tflops", "mfu", "peak_MiB",
-                       "host_syncs", "aten_ops", "error"])  # fmt: skip
+    print_table(rows, ["model", "seq", "batch", "dtype", "step_s", "cpu_s", "tokens_per_s", "tflops", "mfu",
+                       "peak_MiB", "rss_MiB", "host_syncs", "aten_ops", "error"])  # fmt: skip
     both = [s for s in seqs if all("step_s" in r for r in rows if r["seq"] == s)]
     summary: dict[str, Any] = dict(
         size=args.size, loss_rel_diff=loss_rel_diff, packed=packed, host_syncs=counts
@@ -206,7 +244,12 @@ def main() -> None:
         by = {r["model"]: r for r in rows if r["seq"] == max(both)}
         summary.update(seq=max(both), time_ratio_vs_hf=by["glm53_ds"]["step_s"] / by["hf"]["step_s"],
                        mem_ratio_vs_hf=by["glm53_ds"]["peak_MiB"] / by["hf"]["peak_MiB"])  # fmt: skip
-    suffix = "" if args.size == "tiny" else f"_{args.size}"
+        if "glm53_ds_compiled" in by:
+            fast, eager = by["glm53_ds_compiled"], by["glm53_ds"]
+            summary.update(compiled_time_ratio_vs_eager=fast["cpu_s"] / eager["cpu_s"],
+                           compiled_rss_ratio_vs_eager=fast["rss_MiB"] / max(eager["rss_MiB"], 1e-9),
+                           compiled_time_ratio_vs_hf=fast["cpu_s"] / by["hf"]["cpu_s"])  # fmt: skip
+    suffix = ("" if args.size == "tiny" else f"_{args.size}") + ("_compile" if args.compile else "")
     path = write_results(
         f"model_step_{device.type}{suffix}",
         dict(device=device_description(device), config=text, rows=rows, summary=summary),
@@ -219,6 +262,15 @@ def main() -> None:
         f"model_step time_ratio_vs_hf={summary['time_ratio_vs_hf']:.3f} mem_ratio_vs_hf={summary['mem_ratio_vs_hf']:.3f}"
         f" seq={summary['seq']} packed_time_ratio_vs_padded={packed['time_ratio']:.3f}"
         f" packed_mem_ratio_vs_padded={packed['mem_ratio']:.3f}"
+        + "".join(
+            f" {k}={summary[k]:.3f}"
+            for k in (
+                "compiled_time_ratio_vs_eager",
+                "compiled_rss_ratio_vs_eager",
+                "compiled_time_ratio_vs_hf",
+            )
+            if k in summary
+        )  # fmt: skip
     )
 
 

@@ -2,9 +2,14 @@
 
 The regions: every decoder layer (`Glm53TransformerLayer.forward`), every MTP layer (`Glm53MtpLayer.predict`, its
 own transformer layer inside) and the loss head (`linear_cross_entropy`, the chunked output layer + cross entropy).
-Each is compiled with `fullgraph=True`, so a graph break is an error where it happens, not a silent fall back to
-eager. Layers of one kind share one compiled code: the code object is the class's, and torch.compile (with its
-default `inline_inbuilt_nn_modules`) takes the module's parameters as inputs, not as constants.
+Layers of one kind share one compiled code: the code object is the class's, and torch.compile (with its default
+`inline_inbuilt_nn_modules`) takes the module's parameters as inputs, not as constants; each kind (first layer,
+KDA or DSA, dense or MoE, MTP) is one entry of that code's cache, so the cache limit is raised to hold them all.
+
+Graph breaks: none in any region of a batch of whole rows (tests/test_compile.py traces each with
+`fullgraph=True`). With packed documents the sequence mixer runs eager (`transformer_layer._attention_over_documents`:
+it loops over the documents in Python, so each new document count would be a new graph); the layer around it
+stays compiled, in two graphs. Regions are therefore compiled with `fullgraph=False`.
 
 Outside the regions (eager): the embedding, the input checks and their one host read, megatron's block loop (and
 its full recompute), the stream mean and the final norm, the head's target shifts. Inside, a region runs in a
@@ -28,11 +33,12 @@ from .layers.forward_record import region_record
 from .layers.mtp import Glm53MtpLayer
 from .transformer_layer import Glm53TransformerLayer
 
+RECOMPILE_LIMIT = 64
 COMPILED = "_glm53_compiled"  # set on a module (or the model, for the loss head) whose region is compiled
 
 
-def _compiled(fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
-    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+def _compiled(fn: Callable[..., Any], backend: str, fullgraph: bool) -> Callable[..., Any]:
+    compiled = torch.compile(fn, fullgraph=fullgraph, backend=backend)
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -42,17 +48,19 @@ def _compiled(fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
     return run
 
 
-def _compile_method(module: nn.Module, method: str, backend: str) -> None:
+def _compile_method(module: nn.Module, method: str, backend: str, fullgraph: bool) -> None:
     if getattr(module, COMPILED, False):
         return
-    setattr(module, method, _compiled(getattr(module, method), backend))
+    setattr(module, method, _compiled(getattr(module, method), backend, fullgraph))
     setattr(module, COMPILED, True)
 
 
-def apply_compile(model: nn.Module, backend: str = "inductor") -> list[str]:
+def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool = False) -> list[str]:
     """Compile `model`'s regions in place (idempotent); returns their names, the loss head as `loss_head`.
     `backend`: torch.compile's (tests trace with "aot_eager": the same graphs, forward and backward, no code
-    generated)."""
+    generated); `fullgraph=True`: a graph break is an error (whole rows only)."""
+    # one cache entry per layer kind and input form under one code object (torch's default limit is 8)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     names = []
     mtp_layers = {id(m) for m in model.modules() if isinstance(m, Glm53MtpLayer)}
     inside_mtp = {
@@ -60,13 +68,13 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> list[str]:
     }
     for name, module in model.named_modules():
         if isinstance(module, Glm53MtpLayer):
-            _compile_method(module, "predict", backend)
+            _compile_method(module, "predict", backend, fullgraph)
             names.append(name)
         elif isinstance(module, Glm53TransformerLayer) and id(module) not in inside_mtp:
-            _compile_method(module, "forward", backend)
+            _compile_method(module, "forward", backend, fullgraph)
             names.append(name)
     if hasattr(model, "loss_head") and not getattr(model, COMPILED, False):
-        model.loss_head = _compiled(model.loss_head, backend)
+        setattr(model, "loss_head", _compiled(getattr(model, "loss_head"), backend, fullgraph))  # noqa: B009, B010
         setattr(model, COMPILED, True)
         names.append("loss_head")
     return names

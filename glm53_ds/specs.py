@@ -56,7 +56,8 @@ def _hyper_connection_spec(cfg: Glm53Config) -> ModuleSpec:
 
 def _dense_mlp_spec() -> ModuleSpec:
     return ModuleSpec(
-        module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinearWithGroup)
+        module=MLP,
+        submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinearWithGroup),
     )
 
 

@@ -31,6 +31,7 @@ DEFAULT_DATA = os.path.join(REPO_ROOT, "data", "tiny_corpus.txt")
 # the sections: the command line's argument groups, the run file's tables (model, fine_tuning, ...)
 MODEL, FINE_TUNING, PARALLELISM, DATA = "model", "fine-tuning", "parallelism", "data"
 BASE_QUANT = ("auto", "none", "fp8")
+COMPILE_BACKENDS = ("inductor", "aot_eager")
 EXPORT_FORMATS = ("dense", "fp8")
 OPTIMIZATION, OUTPUT, PLANNING, DEEPSPEED = "optimization", "checkpoints and output", "planning", "DeepSpeed"
 
@@ -76,6 +77,13 @@ class TrainConfig:
                                "activations fit in this many MiB, each tile recomputed in backward, so the MoE's "
                                "peak is one tile's; the dense MLPs, shared experts and mHC mixes tile within the same budget "
                                "(long rows; the same losses; 0: all tokens at once)", plan=MEMORY, least=0)  # fmt: skip
+    compile: bool = option(False, MODEL, "torch.compile each decoder layer, the MTP layer and the loss head, by "
+                           "region (one compiled code per layer kind, as torchtitan); the first step compiles "
+                           "(minutes); the same losses within rounding. Off by default until measured on CUDA "
+                           "(docs/usage.md)")  # fmt: skip
+    compile_backend: str = option("inductor", MODEL, "torch.compile's backend under --compile (aot_eager: the "
+                                  "same graphs, no generated code: checks a run quickly)",
+                                  choices=COMPILE_BACKENDS)  # fmt: skip
     aux_loss_coef: float = option(
         0.0, MODEL, "sequence-wise MoE balance loss weight (0 = off)", plan=MEMORY, least=0
     )

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from ..checkpoint import CheckpointDir, CheckpointError, layout_record, verify_checkpoint
 from ..checkpoint.base_weights import describe_base
 from ..checkpoint.directory import later_tags
+from ..compile import apply_compile
 from ..config import Glm53Config
 from ..data.columns import parse_column_map
 from ..data.prepare import default_workers
@@ -346,6 +347,10 @@ class Trainer(ResumeChecks, TrainSteps):
             load_hf_state_into(model, checkpoint, mtp=use_mtp)  # each rank reads only its expert shard
         for said in apply_converters(model, self.converters, self.layout.etp_group if c.etp > 1 else None):
             self._say(said)
+        if c.compile:  # last, as torchtitan: over the adapters and the trainable set
+            regions = apply_compile(model, backend=c.compile_backend)
+            self._say(f"--compile: {len(regions)} regions ({c.compile_backend}: the decoder layers, the MTP layer, "
+                      "the loss head); the first step compiles them")  # fmt: skip
         return model
 
     def _adamw(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:

@@ -1,0 +1,125 @@
+"""`--compile` (glm53_ds/compile.py): every region compiles without a graph break, packed documents of changing
+counts and lengths compile once, and the compiled model's losses and gradients are eager's.
+
+The regions are traced with the "aot_eager" backend: dynamo and AOT autograd build the same forward and backward
+graphs inductor would get, without generating code (inductor on the CPU takes about 5 minutes for the tiny model;
+benchmarks/model_step.py measures it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import glm53_ds
+from glm53_ds.compile import apply_compile, compiled_regions
+from glm53_ds.config import Glm53Config
+from glm53_ds.layers.moe import Glm53MoE
+from tests.cli import deepspeed_run, metrics
+from tests.model_fixtures import CONFIG_A
+
+# every layer kind: KDA and DSA (a full and a shared indexer), dense and MoE, the first layer, MTP; the balance loss
+# and the indexer's KL loss leave the regions through the forward record
+KINDS = dict(moe_seq_aux_loss_coef=0.1, indexer_loss_coef=0.5)
+
+
+def _model(dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module, Glm53Config]:
+    cfg = Glm53Config.from_text_dict(CONFIG_A)
+    torch.manual_seed(0)
+    eager = glm53_ds.build_model(cfg, dtype=dtype, **KINDS).train()
+    compiled = glm53_ds.build_model(cfg, dtype=dtype, **KINDS).train()
+    compiled.load_state_dict(eager.state_dict())
+    return eager, compiled, cfg
+
+
+def _step(model: torch.nn.Module, ids: torch.Tensor, **kw) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    parts = model(ids, labels=ids, return_parts=True, **kw)
+    parts.total.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return torch.stack([parts.total, parts.lm, parts.aux, parts.indexer]).detach(), grads
+
+
+def _assert_equal_within(a, b, rel: float) -> None:
+    """Losses within `rel`, each gradient within 10 `rel` of its largest magnitude (at 1e-5 the model tests' fp32
+    bounds against transformers, tests/test_model.py), an mHC `base` / `scale` gradient within 100 `rel`: each is
+    a sum over every token of terms of both signs, so the order of the sum shows (measured with packed documents,
+    whose layers run in two graphs each: up to 1.25e-4, every other gradient 6e-6)."""
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    assert torch.allclose(loss_a, loss_b, rtol=rel, atol=0), (loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys()
+    for name, g in grads_a.items():
+        err = (g.float() - grads_b[name].float()).abs().max() / g.float().abs().max().clamp_min(1e-30)
+        cancelling = name.endswith(("_hc.base", "_hc.scale"))
+        assert err <= (100 if cancelling else 10) * rel, (name, float(err))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_every_region_compiles_whole_and_matches_eager(dtype):
+    eager, compiled, cfg = _model(dtype)
+    names = apply_compile(compiled, backend="aot_eager", fullgraph=True)  # a graph break would raise
+    assert names == compiled_regions(compiled)
+    assert names == [f"decoder.layers.{i}" for i in range(cfg.num_hidden_layers)] + ["mtp.0", "loss_head"]
+    ids = torch.randint(1, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    # aot_eager runs the ops eager runs: whole rows measured equal, bitwise
+    _assert_equal_within(_step(eager, ids), _step(compiled, ids), 1e-5 if dtype == torch.float32 else 1e-3)
+    assert compiled_regions(eager) == []
+
+
+@pytest.mark.slow
+def test_a_graph_break_in_a_layer_is_caught(monkeypatch):
+    """The control: a region with a graph break fails the whole-graph trace above."""
+    _, compiled, cfg = _model(torch.float32)
+    tile_tokens = Glm53MoE.tile_tokens
+
+    def breaking(self):
+        torch._dynamo.graph_break()
+        return tile_tokens(self)
+
+    monkeypatch.setattr(Glm53MoE, "tile_tokens", breaking)
+    apply_compile(compiled, backend="aot_eager", fullgraph=True)
+    ids = torch.randint(1, cfg.vocab_size, (1, 16))
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        compiled(ids, labels=ids)
+
+
+@pytest.mark.slow
+def test_packed_documents_of_changing_counts_and_lengths_compile_once():
+    """20 steps of one packed row, each with other document boundaries (1 to 6 documents): the regions compile
+    at the first step (each layer kind once, its sequence mixer over the documents left eager) and not again, and
+    every step's losses and gradients are eager's."""
+    eager, compiled, cfg = _model(torch.float32)
+    apply_compile(compiled, backend="aot_eager")
+    torch._dynamo.utils.counters.clear()
+    gen = torch.Generator().manual_seed(2)
+    length, graphs = 32, []
+    for step in range(20):
+        n_cuts = int(torch.randint(0, 6, (1,), generator=gen))
+        cuts = sorted(torch.randperm(length - 1, generator=gen)[:n_cuts].add(1).tolist())
+        cu_seqlens = torch.tensor([0, *cuts, length])
+        ids = torch.randint(1, cfg.vocab_size, (1, length), generator=gen)
+        compiled_step = _step(compiled, ids, cu_seqlens=cu_seqlens)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        if step < 3:
+            _assert_equal_within(_step(eager, ids, cu_seqlens=cu_seqlens), compiled_step, 1e-5)
+    assert graphs[-1] - graphs[0] <= 1, graphs  # at most one recompile after the first step
+    # the only graph breaks are the sequence mixers left eager over the documents
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    assert breaks and all("disable" in reason or "skip" in reason.lower() for reason in breaks), dict(breaks)
+
+
+@pytest.mark.slow
+def test_the_trainer_compiles_under_deepspeed_with_the_memory_options(tmp_path):
+    """`--compile` as shipped, on two DeepSpeed ranks folding EP 2 and SP 2, with LoRA, full recompute, offloaded
+    activations, MoE tiles and packed documents: the same losses and gradient norms as the eager run."""
+    common = ["--train-iters", "2", "--seq-length", "32", "--ep", "2", "--sp", "2", "--lora-rank", "8",
+              "--recompute", "full", "--offload-activations", "--moe-tile-mib", "1"]  # fmt: skip
+    runs = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile", "--compile-backend", "aot_eager"])):
+        proc = deepspeed_run(2, *common, *extra, "--output-dir", str(tmp_path / name))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs[name] = [(r["lm_loss"], r["grad_norm"]) for r in metrics(tmp_path / name)]
+    assert "--compile: 6 regions (aot_eager" in proc.stdout + proc.stderr
+    assert len(runs["eager"]) == 2
+    for (loss, norm), (c_loss, c_norm) in zip(runs["eager"], runs["compiled"], strict=True):
+        assert abs(c_loss - loss) <= 1e-5 * loss and abs(c_norm - norm) <= 1e-4 * norm, runs
