@@ -152,7 +152,7 @@ def main() -> None:
     )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 (tiny), bf16 (real)"
+        "--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 (tiny), bf16 (medium, real)"
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=3)
