@@ -62,10 +62,8 @@ def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool =
     # one cache entry per layer kind and input form under one code object (torch's default limit is 8)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     names = []
-    mtp_layers = {id(m) for m in model.modules() if isinstance(m, Glm53MtpLayer)}
-    inside_mtp = {
-        id(sub) for m in model.modules() if id(m) in mtp_layers for sub in m.modules() if sub is not m
-    }
+    # an MTP layer's own transformer layer is compiled inside its `predict`
+    inside_mtp = {id(sub) for m in model.modules() if isinstance(m, Glm53MtpLayer) for sub in m.modules()}
     for name, module in model.named_modules():
         if isinstance(module, Glm53MtpLayer):
             _compile_method(module, "predict", backend, fullgraph)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -28,6 +28,11 @@ class ForwardRecord:
     expert_loads: list[torch.Tensor] = field(
         default_factory=list
     )  # per MoE layer: int64 [E] tokens per expert
+
+    def extend(self, other: ForwardRecord) -> None:
+        """Append everything `other` holds, field by field."""
+        for f in fields(self):
+            getattr(self, f.name).extend(getattr(other, f.name))
 
     def aux_loss(self) -> torch.Tensor | None:
         return torch.stack(self.aux_losses).sum() if self.aux_losses else None
@@ -64,6 +69,4 @@ def region_record() -> Iterator[None]:
     with recording() as inner:
         yield
     if outer is not None:
-        outer.aux_losses += inner.aux_losses
-        outer.indexer_losses += inner.indexer_losses
-        outer.expert_loads += inner.expert_loads
+        outer.extend(inner)
