@@ -54,6 +54,7 @@ MAX_SAVED_BYTES = 128  # a bf16 kernel's stack outside its loops: at most 32 val
 # the released width (config.json of GLM-5.3-Flash): 64 heads, kv_lora_rank 512, W = index_topk + index_kpool - 1,
 # hidden 4096, hc_mult 4
 HEADS, LATENT, SLOTS, HIDDEN, STREAMS = 64, 512, 2063, 4096, 4
+INDEXER_HEADS, INDEXER_DIM = 32, 128  # index_n_heads, index_head_dim
 # head counts below the released 64 (smaller models: sequence parallelism splits the DSA attention by query and
 # keeps all heads, layers/mla.py): the DSA kernels in bf16 again, through the tiles' other branches (32 padded to
 # the 64-head tile, 16 and 8 in the 16-head one)
@@ -217,6 +218,7 @@ class _CompileOnly:
                 record._seen.add(id(kernel))
                 # a variant by its constexpr
                 name = fn.fn.__name__ + (":atomic" if kwargs.get("ATOMIC") else "")
+                name += f":K{kwargs['K2']}" if "K2" in kwargs else ""  # the indexer's running top-k width
                 record.compiled.append((name, kernel, time.perf_counter() - started))
             return kernel
 
@@ -270,7 +272,27 @@ def _block_fp8(dtype: torch.dtype, tokens: int) -> None:
     kernels.grouped_mm(torch.randn(tokens * experts, 2 * inner).to(dtype), *weight, offs, transpose=False)
 
 
-CALLERS = {"dsa": _dsa, "hc_post": _hc_post, "block_fp8": _block_fp8}
+def _indexer(dtype: torch.dtype, tokens: int) -> None:
+    """The indexer's streaming top-k as `DsaIndexer.select` calls it at the released width: 32 indexer heads of 128,
+    q as `wq_b`'s output viewed [b, r, Hi, d], pool keys of a 128k sequence at kpool 16 (8,192 pools), K = 2048 / 16
+    = 128 chosen pools; and K = 512 (kpool 4), the widest running top-k."""
+    from glm53_ds.layers import indexer_topk_triton as kernel
+
+    g = torch.Generator().manual_seed(0)
+    pools = 8192
+    q = (
+        torch.randn(1, tokens, INDEXER_HEADS * INDEXER_DIM, generator=g)
+        .to(dtype)
+        .unflatten(-1, (INDEXER_HEADS, -1))
+    )
+    weights = torch.randn(1, tokens, INDEXER_HEADS, generator=g)
+    keys = torch.randn(1, pools, INDEXER_DIM, generator=g).to(dtype)
+    visible_from = (torch.arange(pools) * 16 + 15)[None]
+    for chosen in (128, 512):
+        kernel.indexer_topk(q, weights, keys, visible_from, 0, chosen, INDEXER_DIM**-0.5)
+
+
+CALLERS = {"dsa": _dsa, "hc_post": _hc_post, "block_fp8": _block_fp8, "indexer": _indexer}
 # their tiles follow the heads
 _DSA_KERNELS = {
     "_fwd_kernel",

@@ -35,6 +35,7 @@ class Glm53TransformerConfig(TransformerConfig):
     attention_impl: str = field(default_factory=lambda: backends.default(backends.ATTENTION))
     kda_impl: str = field(default_factory=lambda: backends.default(backends.KDA))
     hc_post_impl: str = field(default_factory=lambda: backends.default(backends.HC_POST))
+    indexer_impl: str = field(default_factory=lambda: backends.default(backends.INDEXER))
     moe_impl: str = field(default_factory=lambda: backends.default(backends.MOE))
     # Selective recompute of the mHC pre/post (megatron validates recompute_modules against its own list,
     # so "mhc" is carried here; make_transformer_config accepts it inside recompute_modules).
@@ -64,7 +65,7 @@ class Glm53TransformerConfig(TransformerConfig):
             raise TypeError(
                 f"Glm53TransformerConfig.glm must be a Glm53Config, got {type(self.glm).__name__}"
             )
-        for name in (backends.ATTENTION, backends.KDA, backends.HC_POST, backends.MOE):
+        for name in backends.CHOICES:
             setattr(self, name, backends.check(name, getattr(self, name)))
         if self.recompute_granularity == "full" and (
             self.moe_seq_aux_loss_coef > 0 or self.indexer_loss_coef > 0

@@ -8,17 +8,21 @@ For each query it picks which keys the sparse MLA may attend to:
   2. Score per query and pool: `sum_h w_h(x) * relu(q_h . pool_key / sqrt(d))`, with
      `q = wq_b(q_resid)` per indexer head and `w = weights_proj(x) / sqrt(H)`.
   3. Only complete pools whose last token is visible (causal, not padding) are candidates; the top
-     `index_topk / index_kpool` are expanded back to token indices.
+     `index_topk / index_kpool` are expanded back to token indices, highest score first.
   4. With `index_kpool_always_select_tail`, the visible tokens after the last complete pool (the incomplete
      tail, at most `index_kpool - 1`) are always appended.
 Output: int32 `[b, s, W]` token indices, -1 = empty slot, with W = index_topk (+ index_kpool - 1 with the tail);
 rows of padding queries are all -1. Slots `[k * kpool, (k + 1) * kpool)` hold the k-th chosen pool, then the tail.
 
-Memory is O(L): the pools ([b, P, d], P = L / kpool) are built once, then steps 2-4 run per block of query rows,
-holding one block's `[rows, heads, P]` scores (`block_rows`, under `SCORE_BLOCK_BYTES`). Visibility is derived
-from positions (a key j is visible to query i iff j <= i and j is real; the count of visible keys is a cumulative
-sum of the mask), never stored as `[s, S]`. The selections equal HF's exactly (same expression per row, same
-`topk`, tests/test_module_parity.py).
+Memory is O(L): the pools ([b, P, d], P = L / kpool) are built once, then steps 2-4 run per block of query rows.
+`indexer_impl` (glm53_ds/backends.py) picks how steps 2-3 run:
+  - `torch` (default off CUDA): HF's expression, one block's `[rows, heads, P]` scores at a time (`block_rows`, under
+    `SCORE_BLOCK_BYTES`) and `topk`. Its selections equal HF's exactly (tests/test_module_parity.py).
+  - `triton` (default on CUDA): one streaming kernel that keeps a running top-k in registers (`indexer_topk.py`),
+    holding only the block's queries. Its selections equal the torch path's, except that exactly equal scores are
+    ranked by ascending pool, where `topk`'s order is its device's (`indexer_topk.py`).
+Visibility is derived from positions (a key j is visible to query i iff j <= i and j is real; the count of visible
+keys is a cumulative sum of the mask), never stored as `[s, S]`.
 
 Runs without gradient (HF's indexer is `no_grad`: its parameters are not trained by the language-model loss). Its
 parameters are therefore frozen (`requires_grad=False`: out of the optimizer, ZeRO's buffers and the gradient
@@ -35,8 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .. import host_reads
+from .. import backends, host_reads
 from ..transformer_config import Glm53TransformerConfig
+from .indexer_topk import NOT_VISIBLE, top_pools_fused
 from .linear import ColumnLinear
 
 # One block of query rows holds its [b, rows, heads, P] fp32 scores (and their weighted sum) under this many bytes:
@@ -55,6 +60,9 @@ class Pools:
     tokens: torch.Tensor  # [b, P, kpool] token indices, -1 outside the sequence
     complete: torch.Tensor  # [b, P] bool: every token real and inside the sequence
     last: torch.Tensor  # [b, P] the last token of each pool (clamped into the sequence)
+    visible_from: (
+        torch.Tensor
+    )  # [b, P] int64: a complete pool's last token (a candidate from there), else NOT_VISIBLE
     first_real: torch.Tensor  # [b]
     mask: torch.Tensor  # [b, S] bool: real keys
     n_real_upto: torch.Tensor  # [b, S] number of real keys at positions <= j
@@ -86,6 +94,7 @@ class DsaIndexer(nn.Module):
         self.index_kpool_compress_gate = nn.Parameter(
             torch.ones(self.head_dim, cfg.hidden_size, dtype=config.params_dtype)
         )
+        self.indexer_impl = config.indexer_impl
         self.score_block_bytes: int | None = None  # None: SCORE_BLOCK_BYTES of the device
         # The LM loss gives the indexer no gradient: frozen unless its own loss trains it.
         self.requires_grad_(config.indexer_loss_coef > 0)
@@ -134,10 +143,11 @@ class DsaIndexer(nn.Module):
             keep: torch.Tensor | slice = slice(0, real_length // self.kpool)
         else:  # shape-only (the dry run) cannot know which pools are complete: all of them
             keep = host_reads.true_indices(complete.any(0), shape_only=lambda: slice(0, n_pools))
-        tokens = tokens[:, keep]
+        tokens, complete = tokens[:, keep], complete[:, keep]
+        last = tokens[..., -1].clamp(0, s - 1)
         return Pools(
-            keys=pool_keys[:, keep], tokens=tokens, complete=complete[:, keep],
-            last=tokens[..., -1].clamp(0, s - 1), first_real=first_real, mask=mask,
+            keys=pool_keys[:, keep], tokens=tokens, complete=complete, last=last,
+            visible_from=last.masked_fill(~complete, NOT_VISIBLE), first_real=first_real, mask=mask,
             n_real_upto=mask.long().cumsum(-1),
         )  # fmt: skip
 
@@ -150,20 +160,21 @@ class DsaIndexer(nn.Module):
         """Query rows per block: the block's [b, rows, heads, P] fp32 scores stay under `block_bytes`."""
         return max(1, self.block_bytes(device) // max(1, 4 * batch * (self.n_heads + 2) * max(n_pools, 1)))
 
+    def queries(self, x: torch.Tensor, q_resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer's queries q [b, r, Hi, d] and their head weights [b, r, Hi] fp32 (`weights_proj(x) /
+        sqrt(Hi)`) for x [b, r, D], q_resid [b, r, q_lora_rank]."""
+        q = self.wq_b(q_resid).unflatten(-1, (self.n_heads, self.head_dim))
+        return q, self.weights_proj(x).float() * self.n_heads**-0.5
+
     def scores(self, x: torch.Tensor, q_resid: torch.Tensor, pool_keys: torch.Tensor) -> torch.Tensor:
         """Step 2 for a block of queries: x [b, r, D], q_resid [b, r, q_lora_rank], pool keys [b, P, d] or, per
         query, [b, r, P, d] -> index scores [b, r, P] fp32."""
-        q = self.wq_b(q_resid).unflatten(-1, (self.n_heads, self.head_dim))  # [b, r, Hi, d]
+        q, head_weights = self.queries(x, q_resid)  # [b, r, Hi, d], [b, r, Hi]
         keys = pool_keys.unsqueeze(1) if pool_keys.dim() == 3 else pool_keys  # [b, 1 or r, P, d]
         # [b, r, Hi, d] @ [b, 1 or r, d, P] -> [b, r, Hi, P]; weighted sum over heads -> [b, r, P]
         scores = torch.matmul(q.float(), keys.transpose(-1, -2).float())
         scores = F.relu(scores * self.head_dim**-0.5)
-        head_weights = self.weights_proj(x).float() * self.n_heads**-0.5
         return torch.matmul(head_weights.unsqueeze(-2), scores).squeeze(-2)
-
-    def candidates(self, pools: Pools, positions: torch.Tensor) -> torch.Tensor:
-        """[b, r, P] bool: complete pools whose last token the queries at key positions `positions` [r] see."""
-        return pools.complete[:, None, :] & (pools.last[:, None, :] <= positions[None, :, None])
 
     @torch.no_grad()
     def select(
@@ -178,18 +189,37 @@ class DsaIndexer(nn.Module):
         `query_offset + i` of the pools' sequence; query_mask [b, s] their padding mask."""
         b, s = query_mask.shape
         n_pools = pools.keys.shape[1]
-        rows = self.block_rows(b, n_pools, x.device)
+        fused = backends.resolve(backends.INDEXER, self.indexer_impl, x.device) == "triton"
+        # a block of the kernel's path holds its queries [b, rows, Hi, d] (and their head weights), not P scores
+        per_row = 4 * b * self.n_heads * (self.head_dim + 1) if fused else None
+        rows = (
+            max(1, self.block_bytes(x.device) // per_row)
+            if per_row
+            else self.block_rows(b, n_pools, x.device)
+        )
         n_select = min(self.index_topk // self.kpool, n_pools)
+        batch = torch.arange(b, device=x.device)[:, None, None]
         parts = []
         for start in range(0, s, rows):
             end = min(start + rows, s)
             positions = torch.arange(start, end, device=x.device) + query_offset
-            index_scores = self.scores(x[:, start:end], q_resid[:, start:end], pools.keys)
-            candidates = self.candidates(pools, positions)
-            index_scores = index_scores.masked_fill(~candidates, torch.finfo(index_scores.dtype).min)
-            chosen = index_scores.topk(n_select, dim=-1).indices  # [b, r, K]
-            chosen_ok = candidates.gather(-1, chosen)
-            tokens = pools.tokens[torch.arange(b, device=x.device)[:, None, None], chosen]  # [b, r, K, kpool]
+            if fused:
+                q, head_weights = self.queries(x[:, start:end], q_resid[:, start:end])
+                chosen = top_pools_fused(
+                    q, head_weights, pools.keys, pools.visible_from, query_offset + start, n_select,
+                    self.head_dim**-0.5,
+                )  # fmt: skip
+                chosen_ok = chosen >= 0  # [b, r, K]
+            else:  # HF's expression
+                index_scores = self.scores(x[:, start:end], q_resid[:, start:end], pools.keys)
+                candidates = pools.visible_from[:, None, :] <= positions[None, :, None]  # [b, r, P]
+                index_scores = index_scores.masked_fill(~candidates, torch.finfo(index_scores.dtype).min)
+                chosen = index_scores.topk(n_select, dim=-1).indices  # [b, r, K]
+                chosen_ok = candidates.gather(-1, chosen)
+            chosen = chosen.long().masked_fill(
+                ~chosen_ok, 0
+            )  # a slot without a candidate: pool 0, not selected
+            tokens = pools.tokens[batch, chosen]  # [b, r, K, kpool]
             tokens = tokens.masked_fill(~chosen_ok[..., None], -1).flatten(-2)  # [b, r, K * kpool]
             if self.always_select_tail and self.kpool > 1:
                 tokens = torch.cat([tokens, self._tail(pools, positions)], dim=-1)

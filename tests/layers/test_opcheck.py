@@ -15,7 +15,13 @@ import pytest
 import torch
 from torch.library import opcheck
 
-from glm53_ds.layers import block_fp8, kda_ops, sparse_attention, sparse_attention_triton  # noqa: F401  (their ops)
+from glm53_ds.layers import (  # noqa: F401  (their ops)
+    block_fp8,
+    indexer_topk,
+    kda_ops,
+    sparse_attention,
+    sparse_attention_triton,
+)  # fmt: skip
 from glm53_ds.layers.moe import grouped_mm  # noqa: F401
 from glm53_ds.mhc import hc_post_op  # noqa: F401
 
@@ -103,7 +109,22 @@ def _grouped_mm() -> list[tuple]:
     return [(rows, weights, offs), (rows.t(), torch.randn(12, 8, generator=g), offs)]
 
 
+def _indexer_topk() -> list[tuple]:
+    """q [1, 12, 3, 16] as a transposed view (fp32 and bf16), 10 pools of 4 tokens (the last never visible), the
+    queries at key positions 20..31 (a later part of the sequence), 4 pools each. No autograd: the indexer runs
+    without gradient."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 3, 12, 16, generator=g).transpose(1, 2)
+    weights, keys = torch.randn(1, 12, 3, generator=g), torch.randn(1, 10, 16, generator=g)
+    visible_from = (torch.arange(10) * 4 + 3).masked_fill(torch.arange(10) == 9, indexer_topk.NOT_VISIBLE)[
+        None
+    ]
+    return [(q, weights, keys, visible_from, 20, 4, 0.25),
+            (q.bfloat16(), weights, keys.bfloat16(), visible_from, 0, 4, 0.25)]  # fmt: skip
+
+
 SAMPLES: dict[str, Callable[[], list[tuple]]] = {
+    "glm53::indexer_topk_triton": _indexer_topk,
     "glm53::grouped_mm": _grouped_mm,
     "glm53::sparse_attention_reference": _sparse_reference,
     "glm53::sparse_attention_reference_backward": _sparse_reference_backward,
