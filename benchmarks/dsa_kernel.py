@@ -18,6 +18,13 @@ the top K = topk / kpool of its visible complete pools by a random score, plus i
    fp32 reductions into d_latent instead of the sorted buffer, not bitwise reproducible), its time and peak
    memory (`atomic_vs_sorted`: how much faster it is; the issue allows it as an option only if that pays).
 
+3. the indexer (`DsaIndexer.select`, bf16, one sequence of each `--tokens`): its roofline model before (the torch
+   path: every query's [Hi, P] fp32 scores through memory) and after (the streaming kernel: scores in registers, a
+   running bitonic top-k on the CUDA cores), printed with the share of a 32k and a 128k DSA layer's time (the
+   indexer's forward beside the sparse attention's forward + backward) it is predicted to take; then the share of
+   queries whose selections the two paths make equal and, on CUDA, each path's time and peak memory beside its
+   prediction (`indexer_run`).
+
     python3 benchmarks/dsa_kernel.py [--device cuda] [--tokens 16384 32768] [--kpool 16] [--small]
 
 `--small` (the CPU dry run, Triton's interpreter): 4 heads, R 32, topk 16, 256 tokens. Last line:
@@ -28,6 +35,7 @@ benchmarks/results/dsa_kernel_<device>.json.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -254,6 +262,105 @@ def model(length: int, heads: int, rank: int, width: int, dq: int) -> list[dict[
     return rows
 
 
+def build_indexer(args: argparse.Namespace, device: torch.device, hidden: int, q_rank: int) -> Any:
+    """A `DsaIndexer` of the benchmark's sizes, bf16, with unit-variance projections (a selective indexer)."""
+    import glm53_ds
+    from glm53_ds.layers.dsa_indexer import DsaIndexer
+
+    text = dict(hidden_size=hidden, q_lora_rank=q_rank, index_n_heads=args.indexer_heads,
+                index_head_dim=args.indexer_dim, index_topk=args.topk, index_kpool=args.kpool,
+                index_kpool_always_select_tail=True, num_hidden_layers=1, layer_types=["indexed_attention"],
+                indexer_types=["full"], mlp_layer_types=["dense"])  # fmt: skip
+    glm53_ds.model.ensure_model_parallel()
+    torch.manual_seed(0)
+    indexer = DsaIndexer(
+        glm53_ds.make_transformer_config(glm53_ds.Glm53Config.from_text_dict(text), torch.bfloat16)
+    )
+    with torch.no_grad():
+        for name, p in indexer.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, p.shape[1] ** -0.5)
+            elif "compress_ape" in name:
+                p.normal_()
+    return indexer.to(device).eval()
+
+
+def indexer_run(args: argparse.Namespace, device: torch.device, length: int) -> dict[str, Any]:
+    """The indexer's selection of `length` queries (one sequence, bf16) through `DsaIndexer.select`, the torch path
+    and the streaming kernel: the share of queries whose selections are equal (the rest: exactly tied or
+    ulp-close scores ordered differently, `indexer_topk.py`) and, on CUDA, each one's time (CUDA events, median of
+    3) and peak memory beside the model's roofline time."""
+    hidden, q_rank = (64, 32) if args.small else (4096, 2048)
+    indexer = build_indexer(args, device, hidden, q_rank)
+    g = torch.Generator(device=device).manual_seed(3)
+    x = torch.randn(1, length, hidden, generator=g, device=device).bfloat16()
+    q_resid = torch.randn(1, length, q_rank, generator=g, device=device).bfloat16()
+    mask = torch.ones(1, length, dtype=torch.bool, device=device)
+    with torch.no_grad():
+        pools = indexer.pools(indexer.keys(x), mask, real_length=length)
+
+    def select(impl: str) -> Any:
+        indexer.indexer_impl = impl
+        with torch.no_grad():
+            return indexer.select(x, q_resid, mask, pools)
+
+    torch_path, kernel = select("torch").tokens, select("triton").tokens
+    row: dict[str, Any] = dict(tokens=length, kpool=args.kpool, chosen=args.topk // args.kpool,
+                               equal_rows=float((torch_path == kernel).all(-1).float().mean()))  # fmt: skip
+    if device.type == "cuda":
+        for impl in ("torch", "triton"):
+            row[f"{impl}_ms"] = cuda_time(lambda impl=impl: select(impl), device) * 1e3
+            peak = peak_bytes(lambda impl=impl: select(impl), device)
+            row[f"{impl}_peak_gib"] = None if peak is None else peak / 2**30
+        row["speedup"] = row["torch_ms"] / row["triton_ms"]
+    return row
+
+
+# the released indexer (config: index_n_heads, index_head_dim); INT32 instructions per second of an H200 (132 SMs x 64
+# INT32 lanes x 1.98 GHz); the int32 instructions per key and stage of the kernel's bitonic network on int64 keys
+# (its xor exchange, a 64-bit compare, two 32-bit selects: an estimate from the generated code's shape)
+INDEXER_HEADS, INDEXER_DIM = 32, 128
+H200_INT_TOPS, SORT_OPS = 16.7, 8
+INDEXER_QUERY_BLOCK = 4  # queries per program of the kernel at 32 heads (ROWS 128 / 32)
+
+
+def indexer_model(length: int, heads: int, dim: int, kpool: int, topk: int) -> list[dict[str, Any]]:
+    """The indexer's scores and top-k per query at `length` tokens, before (the torch path, `indexer_impl=torch`)
+    and after (the streaming kernel, `indexer_topk_triton.py`), on the H200 roofline: time = max(tensor FLOPs /
+    peak, bytes / HBM bandwidth, int32 instructions / INT32 rate) per query x length.
+    - torch path: every query scores all P = L / kpool pools (the causal mask comes after): q k^T [Hi, P] fp32
+      written, scaled and ReLU'd (two passes, each a read and a write), read by the head weighting, which writes
+      [P]; the mask (read, write) and topk (read). Memory-bound: 24 Hi + 16 bytes per pool.
+    - kernel: each query scores the pools up to its block's reach (causal: (P + 1) / 2 on average, rounded up to
+      the K2 of a step); the pool keys are read once per block of `INDEXER_QUERY_BLOCK` queries (counted at HBM
+      bandwidth: an upper bound, 2 MB of keys at 128k fit the L2); q, the head weights and the K chosen pools once.
+      Its running top-k: per K2 pools a bitonic sort of K2 keys (s (s + 1) / 2 stages, s = log2 K2) and one merge
+      (s stages), every key in every stage, `SORT_OPS` int32 instructions each, on the CUDA cores."""
+    pools = length / kpool
+    chosen = topk // kpool
+    k2 = max(16, 1 << (chosen - 1).bit_length())
+    stages = k2.bit_length() - 1
+    visible = math.ceil((pools + 1) / 2 / k2) * k2
+    per_pool_flops = 2 * heads * dim + 2 * heads
+    paths = {
+        "indexer, torch path": (per_pool_flops * pools, (24 * heads + 16) * pools, 0.0),
+        "indexer, streaming kernel": (
+            per_pool_flops * visible,
+            visible * dim * 2 / INDEXER_QUERY_BLOCK + heads * (dim * 2 + 4) + chosen * 4,
+            visible * (stages * (stages + 1) / 2 + stages) * SORT_OPS,
+        ),
+    }
+    rows = []
+    for name, (flops, moved, int_ops) in paths.items():
+        times = {"tensor": flops / (H200_TFLOPS * 1e12), "memory": moved / (H200_TBPS * 1e12),
+                 "int32 (top-k)": int_ops / (H200_INT_TOPS * 1e12)}  # fmt: skip
+        bound = max(times, key=lambda k: times[k])
+        rows.append(dict(kernel=name, tokens=length, kpool=kpool, chosen=chosen, mflop_per_query=flops / 1e6,
+                         mb_per_query=moved / 1e6, int_mops_per_query=int_ops / 1e6, bound=bound,
+                         roofline_ms=times[bound] * length * 1e3))  # fmt: skip
+    return rows
+
+
 def sp_model(length: int, heads: int, rank: int, width: int, dq: int, sp: int) -> dict[str, Any]:
     """One layer's sparse fwd+bwd per rank under sequence parallelism SP (the H200 roofline of `model`, gathers from
     HBM to L2): split by query as mla.py does (the busiest rank: S/SP queries of W slots each, all heads) and, for
@@ -286,10 +393,13 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=2048)
     parser.add_argument("--kpool", type=int, default=16)
     parser.add_argument("--sp", type=int, nargs="+", default=[8], help="SP sizes of the per-rank prediction")
+    parser.add_argument("--indexer-heads", type=int, default=INDEXER_HEADS)
+    parser.add_argument("--indexer-dim", type=int, default=INDEXER_DIM)
     parser.add_argument("--small", action="store_true", help="CPU dry run sizes (Triton interpreter)")
     args = parser.parse_args()
     if args.small:  # (TRITON_INTERPRET=1: set at import)
         args.heads, args.rank, args.dq, args.topk, args.kpool = 4, 32, 16, 16, 4
+        args.indexer_heads, args.indexer_dim = 4, 16
         args.tokens, args.check_tokens, args.sp = [256], 64, [2]
     device = torch.device(args.device)
     width = args.topk + args.kpool - 1
@@ -313,6 +423,22 @@ def main() -> None:
         l2 = sum(r["gathers_in_l2_ms"] for r in at if r["path"] in ("sparse", "atomic"))
         print(f"  with the atomic backward: {hbm:.1f} to {l2:.1f} ms, {dense / hbm:.2f}x to {dense / l2:.2f}x (its "
               f"reductions counted at HBM bandwidth; at L2 speed they would cost less)")  # fmt: skip
+    indexer = [
+        r
+        for length in sorted({*args.tokens, 32768, 131072})
+        for r in indexer_model(length, args.indexer_heads, args.indexer_dim, args.kpool, args.topk)
+    ]
+    print("indexer prediction (H200 roofline, before measuring):")
+    print_table(indexer, list(indexer[0]))
+    for length in (32768, 131072):
+        at = [r for r in predicted if r["tokens"] == length]
+        attention = sum(r["roofline_ms"] for r in at if r["path"] in ("sparse", "sorted"))
+        before, after = (r for r in indexer if r["tokens"] == length)
+        print(f"predicted share of a DSA layer's time at {length} tokens (kpool {args.kpool}) taken by the indexer "
+              f"(its forward, beside the sparse attention's forward + backward, {attention:.1f} ms): before "
+              f"{before['roofline_ms'] / (before['roofline_ms'] + attention):.0%} ({before['roofline_ms']:.1f} ms, "
+              f"{before['bound']}-bound), after {after['roofline_ms'] / (after['roofline_ms'] + attention):.0%} "
+              f"({after['roofline_ms']:.1f} ms, {after['bound']}-bound)")  # fmt: skip
     per_rank = [
         sp_model(length, args.heads, args.rank, width, args.dq, sp)
         for sp in args.sp
@@ -334,11 +460,20 @@ def main() -> None:
         bwd_model = sum(r["roofline_ms"] for r in backward)
         row["bwd_vs_roofline"] = bwd_model / row["bwd_ms"]
     print_table(rows, list(rows[0]))
+    indexer_rows = [indexer_run(args, device, length) for length in args.tokens]
+    for row in indexer_rows:  # beside the roofline of the same path
+        by = {r["kernel"]: r["roofline_ms"] for r in indexer if r["tokens"] == row["tokens"]}
+        row["predicted_torch_ms"], row["predicted_triton_ms"] = (
+            by["indexer, torch path"],
+            by["indexer, streaming kernel"],
+        )
+    print("the indexer, torch path vs the streaming kernel:")
+    print_table(indexer_rows, list(indexer_rows[0]))
     path = write_results(
         f"dsa_kernel_{device.type}",
         dict(device=device_description(device), heads=args.heads, rank=args.rank, topk=args.topk,
              kpool=args.kpool, correctness=correctness, rows=rows, prediction=predicted,
-             prediction_per_rank=per_rank),
+             prediction_per_rank=per_rank, indexer_prediction=indexer, indexer=indexer_rows),
     )  # fmt: skip
     print(f"results: {path}")
     last = rows[-1]
