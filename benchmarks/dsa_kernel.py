@@ -51,7 +51,13 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.measure import device_description, print_table, synchronize, write_results  # noqa: E402
+from benchmarks.measure import (  # noqa: E402
+    device_description,
+    print_table,
+    selective_init,
+    synchronize,
+    write_results,
+)
 from glm53_ds.flops import device_peak_tflops  # noqa: E402
 
 
@@ -276,12 +282,7 @@ def build_indexer(args: argparse.Namespace, device: torch.device, hidden: int, q
     indexer = DsaIndexer(
         glm53_ds.make_transformer_config(glm53_ds.Glm53Config.from_text_dict(text), torch.bfloat16)
     )
-    with torch.no_grad():
-        for name, p in indexer.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, p.shape[1] ** -0.5)
-            elif "compress_ape" in name:
-                p.normal_()
+    selective_init(indexer)
     return indexer.to(device).eval()
 
 

@@ -35,6 +35,7 @@ from benchmarks.measure import (  # noqa: E402
     device_description,
     peak_extra_bytes,
     print_table,
+    selective_init,
     write_results,
 )
 from tests.hf_reference import BASE_TEXT  # noqa: E402
@@ -69,12 +70,7 @@ def build_layer(impl: str, device: torch.device) -> Any:
     layer = SparseMLA(
         glm53_ds.make_transformer_config(cfg, torch.float32, attention_impl=impl), layer_index=1
     )
-    with torch.no_grad():  # realistic scales: unit-variance projections, a selective indexer
-        for name, p in layer.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, p.shape[1] ** -0.5)
-            elif "compress_ape" in name:
-                p.normal_()
+    selective_init(layer)
     return layer.to(device).train()
 
 

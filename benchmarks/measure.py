@@ -138,6 +138,18 @@ class PeakRss:
         self.extra = self.peak - self.base
 
 
+def selective_init(module: torch.nn.Module) -> None:
+    """Realistic scales for a DSA layer or indexer of random weights: unit-variance projections (each matrix's
+    entries of variance 1 / fan-in) and unit pool-position embeddings, so the indexer's scores spread and it selects
+    (the default init's small weights make its scores nearly equal)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, p.shape[1] ** -0.5)
+            elif "compress_ape" in name:
+                p.normal_()
+
+
 def copy_bandwidth(nbytes: int, device: torch.device) -> float:
     """Measured device copy bandwidth in bytes/s (read + write counted)."""
     src = torch.empty(max(nbytes // 4, 1), dtype=torch.float32, device=device).uniform_()
