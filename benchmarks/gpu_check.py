@@ -67,7 +67,7 @@ TRAIN = ["-m", "deepspeed.launcher.runner", "--num_gpus", "1", "benchmarks/fla_b
 STEPS = [
     Step("imports", 20, [PY, "-c", IMPORTS], [PY, "-c", IMPORTS, "--dry"], fatal=True),
     Step("smoke", 30, [PY, "benchmarks/gpu_smoke.py"], [PY, "benchmarks/gpu_smoke.py", "--device", "cpu", "--small"]),
-    Step("dsa_kernel", 105, [PY, "benchmarks/dsa_kernel.py", "--tokens", "16384", "32768"],
+    Step("dsa_kernel", 115, [PY, "benchmarks/dsa_kernel.py", "--tokens", "16384", "32768"],
          [PY, "benchmarks/dsa_kernel.py", "--device", "cpu", "--small"]),
     Step("moe_experts", 40, [PY, "benchmarks/moe_experts.py", "--size", "real"],
          [PY, "benchmarks/moe_experts.py", "--experts", "8", "--repeats", "1"]),
