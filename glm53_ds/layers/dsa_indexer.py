@@ -176,6 +176,10 @@ class DsaIndexer(nn.Module):
         scores = F.relu(scores * self.head_dim**-0.5)
         return torch.matmul(head_weights.unsqueeze(-2), scores).squeeze(-2)
 
+    def candidates(self, pools: Pools, positions: torch.Tensor) -> torch.Tensor:
+        """[b, r, P] bool: complete pools whose last token the queries at key positions `positions` [r] see."""
+        return pools.visible_from[:, None, :] <= positions[None, :, None]
+
     @torch.no_grad()
     def select(
         self,
@@ -204,6 +208,8 @@ class DsaIndexer(nn.Module):
             end = min(start + rows, s)
             positions = torch.arange(start, end, device=x.device) + query_offset
             if fused:
+                from . import indexer_topk_triton  # noqa: F401  (lazy: registers the kernel)
+
                 q, head_weights = self.queries(x[:, start:end], q_resid[:, start:end])
                 chosen = top_pools_fused(
                     q, head_weights, pools.keys, pools.visible_from, query_offset + start, n_select,
@@ -212,7 +218,7 @@ class DsaIndexer(nn.Module):
                 chosen_ok = chosen >= 0  # [b, r, K]
             else:  # HF's expression
                 index_scores = self.scores(x[:, start:end], q_resid[:, start:end], pools.keys)
-                candidates = pools.visible_from[:, None, :] <= positions[None, :, None]  # [b, r, P]
+                candidates = self.candidates(pools, positions)  # [b, r, P]
                 index_scores = index_scores.masked_fill(~candidates, torch.finfo(index_scores.dtype).min)
                 chosen = index_scores.topk(n_select, dim=-1).indices  # [b, r, K]
                 chosen_ok = candidates.gather(-1, chosen)

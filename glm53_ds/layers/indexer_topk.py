@@ -40,8 +40,8 @@ NOT_VISIBLE = 1 << 62  # visible_from of a pool that is no query's candidate (in
 NO_CANDIDATE = -(1 << 63)  # the key of a (query, pool) that is not a candidate: below every candidate's
 LOW_BITS = 0x7FFFFFFF  # the low half of a key: LOW_BITS - pool index (pools < 2^31)
 
-# The kernel's entry point, registered by `indexer_topk_triton` when it is imported (lazily: `triton.jit` reads
-# TRITON_INTERPRET at decoration time). This module does not import it.
+# The kernel's entry point, registered by `indexer_topk_triton` when it is imported (lazily, by `DsaIndexer.select`:
+# `triton.jit` reads TRITON_INTERPRET at decoration time). This module does not import it.
 IMPLEMENTATIONS: dict[str, Callable[..., torch.Tensor]] = {}
 
 
@@ -65,7 +65,10 @@ def _triton_op(
     query_offset: int, n_select: int, scale: float,
 ) -> torch.Tensor:  # fmt: skip
     if "triton" not in IMPLEMENTATIONS:
-        from . import indexer_topk_triton  # noqa: F401  (lazy: registers the kernel; Triton reads TRITON_INTERPRET)
+        raise RuntimeError(
+            "glm53::indexer_topk_triton: the kernel is not loaded; import glm53_ds.layers.indexer_topk_triton first "
+            "(DsaIndexer.select does)"
+        )
     return IMPLEMENTATIONS["triton"](q, head_weights, pool_keys, visible_from, query_offset, n_select, scale)
 
 

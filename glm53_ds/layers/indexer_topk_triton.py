@@ -63,7 +63,9 @@ def _indexer_topk_kernel(
 ):  # fmt: skip
     block = tl.program_id(0)
     bi = tl.program_id(1).to(tl.int64)
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(
+        tl.int64
+    )  # row offsets past 2^31 elements at 1M tokens
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask_m, mask_h, mask_d = offs_m < L, offs_h < H, offs_d < D
@@ -77,7 +79,7 @@ def _indexer_topk_kernel(
         mask=mask_m[:, None] & mask_h[None, :], other=0.0,
     )  # fmt: skip
     w = tl.reshape(w, [BLOCK_M * BLOCK_H])  # padded heads and rows: 0
-    positions = query_offset + offs_m.to(tl.int64)
+    positions = query_offset + offs_m
     N_SUB: tl.constexpr = K2 // BLOCK_P
     sub = tl.arange(0, N_SUB)
 

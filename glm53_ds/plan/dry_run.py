@@ -77,6 +77,9 @@ _INT32_STORAGE_OPS = {
     # a clamp selects between a value and its bounds: it cannot leave the input's range (the torch reference's
     # gather of the selected latent rows clamps the -1 slots to 0, in the indexer loss's target)
     "clamp", "clamp_min", "clamp_max",
+    # the indexer kernel's output: pool indices (< P, far below 2^31), ranked by int64 keys and addressed with int64
+    # offsets inside (layers/indexer_topk_triton.py)
+    "indexer_topk_triton",
     # collectives move values between ranks (SP gathers the key-padding mask and, on the dense path, the DSA
     # selections: ints, to every rank of the row)
     "allgather_", "_allgather_base_", "alltoall_base_", "alltoall_", "broadcast_",

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from glm53_ds.layers import indexer_topk
+from glm53_ds.layers import indexer_topk, indexer_topk_triton  # noqa: F401  (the kernel: registers it)
 from glm53_ds.layers.indexer_topk import NOT_VISIBLE, top_pools_fused
 
 

@@ -18,6 +18,7 @@ from torch.library import opcheck
 from glm53_ds.layers import (  # noqa: F401  (their ops)
     block_fp8,
     indexer_topk,
+    indexer_topk_triton,
     kda_ops,
     sparse_attention,
     sparse_attention_triton,
