@@ -151,12 +151,13 @@ def indexer_topk(
         return out
     if n_select > n_pools:
         raise ValueError(f"indexer top-k: {n_select} pools to choose of {n_pools}")
+    if pool_keys.dtype != q.dtype:  # both in fp32, as the torch path multiplies them (never rounding either down)
+        q, pool_keys = q.float(), pool_keys.float()
     block_m, block_h, block_d, block_p, k2, warps = blocks(heads, dim, n_select, q.dtype)
     upcast, precision = _modes(q.dtype)
     n_blocks = triton.cdiv(rows, block_m)
     last = torch.arange(n_blocks, device=q.device) * block_m + block_m - 1
     bound = reach(visible_from, last.clamp(max=rows - 1) + query_offset)
-    pool_keys = pool_keys.to(q.dtype)
     _indexer_topk_kernel[(n_blocks, b)](
         q, head_weights, pool_keys, visible_from, bound, out,
         rows, n_pools, heads, dim, n_select, query_offset, scale, n_blocks,
