@@ -151,7 +151,9 @@ def indexer_topk(
         return out
     if n_select > n_pools:
         raise ValueError(f"indexer top-k: {n_select} pools to choose of {n_pools}")
-    if pool_keys.dtype != q.dtype:  # both in fp32, as the torch path multiplies them (never rounding either down)
+    if (
+        pool_keys.dtype != q.dtype
+    ):  # both in fp32, as the torch path multiplies them (never rounding either down)
         q, pool_keys = q.float(), pool_keys.float()
     block_m, block_h, block_d, block_p, k2, warps = blocks(heads, dim, n_select, q.dtype)
     upcast, precision = _modes(q.dtype)

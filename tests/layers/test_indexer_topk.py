@@ -82,7 +82,9 @@ def test_kernel_equals_the_torch_path_without_ties(case, dtype):
     assert bool((expected == -1).any()) and bool((expected >= 0).any())  # rows with fewer candidates than K
     got = top_pools_fused(q, head_weights, keys, visible_from, offset, k, scale)
     assert got.dtype == torch.int32 and torch.equal(got, expected)
-    if dtype == torch.bfloat16:  # fp32 pool keys beside bf16 queries: both multiplied in fp32, as the torch path does
+    if (
+        dtype == torch.bfloat16
+    ):  # fp32 pool keys beside bf16 queries: both multiplied in fp32, as the torch path does
         wide = keys.float() + 1e-3  # not a bf16 value: rounding it to bf16 would change the scores
         expected = _topk_choice(_scores(q, head_weights, wide, scale), candidates, k)
         assert torch.equal(top_pools_fused(q, head_weights, wide, visible_from, offset, k, scale), expected)
