@@ -58,6 +58,7 @@ from .deepspeed_internals import (
     ADAM_MOMENTS,
     ParamOptimizerState,
     moe_checkpoint_files_off,
+    one_model_states_writer,
     weights_only_loads,
 )
 from .handle import Glm53Engine
@@ -230,7 +231,11 @@ def save_checkpoint(
                               "(nothing was written; 'latest' is unchanged)")  # fmt: skip
     staged = StagedTag.begin(save_dir, tag)
     with disk_full_said(save_dir, staged.staged, f"the save of {tag}"):
-        with block_fp8_left_out(engine.module):  # DeepSpeed's model file: a frozen base in FP8 is buffers
+        # DeepSpeed's model file: a frozen base in FP8 is buffers; one writer per ETP rank
+        with (
+            block_fp8_left_out(engine.module),
+            one_model_states_writer(engine.ds, layout, save_dir, staged.staging),
+        ):
             engine.ds.save_checkpoint(save_dir, tag=staged.staging, client_state=client_state or {},
                                       save_latest=False, exclude_frozen_parameters=adapters_only)  # fmt: skip
         root = staged.model_dir

@@ -87,6 +87,9 @@ PATCHED_SYMBOLS = (
                   "ZeRO-1/2: a non-finite global norm raises before any update (bf16 applied it); bf16: the fp32-kept parameters' gradients join the norm once; a requested skip sets `overflow`"),
     PatchedSymbol("BF16_Optimizer.get_grads_for_norm", "wrapped",
                   "ETP ranks > 0 hold no replicated gradient to count: a zero placeholder; bf16: the fp32-kept parameters' norm; a requested skip: an inf"),
+    PatchedSymbol("DeepSpeedEngine.checkpoint_engine", "wrapped",
+                  "while saving: its `save` of the model-states file skipped on all but one rank per ETP rank (its MoE save lets every SP rank of the first replica write that one file)"),
+    PatchedSymbol("DeepSpeedEngine._get_ckpt_name", "called", "the model-states file's path"),
     PatchedSymbol("DeepSpeedEngine.has_moe_layers", "toggled",
                   "off while DeepSpeed loads a checkpoint: the model files are glm53_ds's own"),
     PatchedSymbol("DeepSpeedEngine.step", "wrapped",
@@ -402,6 +405,31 @@ def weights_only_loads() -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@contextmanager
+def one_model_states_writer(engine: Any, layout: ParallelLayout, save_dir: str, tag: str) -> Iterator[None]:
+    """While DeepSpeed saves `<save_dir>/<tag>`: its model-states file (`mp_rank_<ETP rank>_model_states.pt`)
+    written by one rank per ETP rank, the first of its data-parallel group (SP ranks included). DeepSpeed's MoE save writes it on every rank of data-parallel rank 0,
+    and its data-parallel group (the mpu's, without SP ranks) gives rank 0 to every SP rank of the first replica: at
+    SP > 1 several ranks would write one file at once, an unreadable mixture of their archives (seen: a two-node
+    run's checkpoint that no resume could open). Every other file DeepSpeed writes is left as it is."""
+    path = engine._get_ckpt_name(save_dir, tag)
+    # the first of its DP group is also DP rank 0 without SP ranks: a rank DeepSpeed lets write it
+    writes = layout.rank == layout.dp_ranks[0]
+    writer = engine.checkpoint_engine
+    save = writer.save
+
+    def save_unless_the_model_states(state: Any, target: str) -> Any:
+        if target == path and not writes:
+            return None
+        return save(state, target)
+
+    writer.save = save_unless_the_model_states
+    try:
+        yield
+    finally:
+        del writer.save  # the class's own again
 
 
 @contextmanager

@@ -54,6 +54,39 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
+def test_one_rank_per_etp_rank_writes_deepspeeds_model_states_file(tmp_path):
+    """World 2 at SP 2 (one replica of two SP ranks): DeepSpeed's MoE save lets both write mp_rank_00_model_states.pt,
+    each being rank 0 of the mpu's data-parallel group, which leaves SP ranks out (the control: two writers of one
+    file, seen as an unreadable archive); under `one_model_states_writer` the first rank of the DP group alone
+    writes it, through DeepSpeed's own file name and checkpoint engine, and every other file is written by both."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from glm53_ds.engine.deepspeed_internals import one_model_states_writer
+    from glm53_ds.engine.mpu import DeepSpeedMpu
+
+    layouts = [SimpleNamespace(rank=r, etp=1, etp_rank=0, sp=2, sp_rank=r, dp_ranks=[0, 1], pure_dp_ranks=[r],
+                               pure_dp_group=f"pure DP group {r}") for r in range(2)]  # fmt: skip
+    assert [DeepSpeedMpu(x).get_data_parallel_rank() for x in layouts] == [0, 0]  # DeepSpeed's writers: both
+    wrote = []
+    for layout in layouts:
+        engine = SimpleNamespace(checkpoint_mp_rank=0, checkpoint_engine=TorchCheckpointEngine(),
+                                 zero_optimization_partition_weights=lambda: False)  # fmt: skip
+        model_states = DeepSpeedEngine._get_ckpt_name(engine, str(tmp_path), f"rank{layout.rank}")
+        engine._get_ckpt_name = lambda d, t, _e=engine: DeepSpeedEngine._get_ckpt_name(_e, d, t)
+        other = os.path.join(os.path.dirname(model_states), "expp_rank_0_mp_rank_00_optim_states.pt")
+        os.makedirs(os.path.dirname(model_states))
+        with one_model_states_writer(engine, layout, str(tmp_path), f"rank{layout.rank}"):
+            for path in (model_states, other):
+                engine.checkpoint_engine.save({"x": torch.ones(1)}, path)
+        wrote.append(sorted(os.listdir(os.path.dirname(model_states))))
+        assert "save" not in vars(engine.checkpoint_engine)  # the engine's own save again
+    assert wrote == [["expp_rank_0_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt"],
+                     ["expp_rank_0_mp_rank_00_optim_states.pt"]]  # fmt: skip
+
+
 def test_optimizer_state_writing_is_spread_evenly_and_alike_on_every_rank():
     sizes = [1000, 700, 400, 300, 300, 200, 100] + [10] * 30
     owners = spread(sizes, 4)

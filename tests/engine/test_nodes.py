@@ -59,8 +59,10 @@ def _launch_round_robin(nodes: FakeNodes, k: int, world: int, port: int, *args: 
     ranks = range(k, world, nodes.count)
     common = (f"WORLD_SIZE={world} MASTER_ADDR={nodes.address(0)} MASTER_PORT={port} "
               f"{sys.executable} {TRAIN} {' '.join(args)}")  # fmt: skip
-    script = " & ".join(f"RANK={r} LOCAL_RANK={i} {common}" for i, r in enumerate(ranks))
-    script += "; code=0; for p in $(jobs -p); do wait $p || code=1; done; exit $code"
+    # every rank in the background and each one's status waited for by its pid (a rank that failed early still
+    # fails the node)
+    script = "".join(f"RANK={r} LOCAL_RANK={i} {common} & pid{i}=$!; " for i, r in enumerate(ranks))
+    script += "code=0; " + "".join(f"wait $pid{i} || code=1; " for i in range(len(ranks))) + "exit $code"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("GLOO_SOCKET_IFNAME", None)
     proc = subprocess.Popen(nodes.command(k, ["bash", "-c", script]), cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -191,6 +193,7 @@ def test_two_nodes_train_as_one_node_and_resume_on_another_layout(nodes, tmp_pat
         in outs[0]
     )
     assert "placement: 2 nodes x 2 ranks; inside a node: SP 2, EP 2;" in outs[0]
+    assert (tmp_path / "cyclic" / "metrics.jsonl").is_file(), outs[0][-3000:] + outs[1][-3000:]
     (again,) = metrics(tmp_path / "cyclic")
     assert again["step"] == 3 and again["lm_loss"] == a[2]["lm_loss"], (again, a[2])
 
