@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu_wheels.sh        # here, once: the wheels the GPU image lacks, into .whl/ (git-ignored)
 #   then, on the GPU machine, with .whl carried:  bash benchmarks/gpu_check.sh
-#   bash benchmarks/gpu_check.sh --plan      # the steps and their limits (total <= 480 s)
+#   bash benchmarks/gpu_check.sh --plan      # the steps and their limits (total <= 540 s)
 #   bash benchmarks/gpu_check.sh --dry-run [--steps NAME ...]   # the same code path on CPU at toy sizes
 #
 # Everything printed goes to $OUT/gpu_check.log from the first line ($OUT: the device tool's folder; a temporary one

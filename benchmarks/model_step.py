@@ -25,8 +25,11 @@ decoder layer / MTP depth / backward, to the JSON's summary.
 `--compile`: a third model, glm53_ds under `glm53_ds.compile.apply_compile` (inductor: each decoder layer, the MTP
 layer and the loss head), timed after its compiling step; each row gets process CPU time (1 thread) beside wall
 time and the peak RSS of the step (PeakRss; the tensor count cannot see inductor's buffers), and the last line adds
-`compiled_time_ratio_vs_eager`, `compiled_rss_ratio_vs_eager` and `compiled_time_ratio_vs_hf` (CPU time).
-Sizes for it: `tiny` and `medium` (hidden 512). Run it with MALLOC_MMAP_THRESHOLD_=65536 (measure.PeakRss).
+`compiled_time_ratio_vs_eager`, `compiled_rss_ratio_vs_eager` and `compiled_time_ratio_vs_hf` (CPU time), and
+`compile_s` (the wall time of the compiling step). Sizes for it on CPU: `tiny` and `medium` (hidden 512); run it
+with MALLOC_MMAP_THRESHOLD_=65536 (measure.PeakRss). On CUDA (gpu_check's `compile` step, `real` at 4k) the ratios
+are of synchronised wall time, and memory is the allocator's peak (`compiled_mem_ratio_vs_eager`), which sees
+inductor's buffers there.
 
 Last line: `model_step time_ratio_vs_hf=<ours/HF> mem_ratio_vs_hf=<ours/HF> packed_time_ratio_vs_padded=...
 packed_mem_ratio_vs_padded=...` at the longest sequence both models ran.
@@ -38,6 +41,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,6 +56,7 @@ from benchmarks.measure import (  # noqa: E402
     device_description,
     peak_extra_bytes,
     print_table,
+    synchronize,
     time_call,
     write_results,
 )
@@ -157,6 +162,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="also glm53_ds compiled (inductor), see above")
+    parser.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager"],
+                        help="torch.compile's backend for --compile (aot_eager: the same graphs, no generated code; "
+                        "gpu_check's CPU dry run)")  # fmt: skip
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cpu":
@@ -169,7 +177,7 @@ def main() -> None:
     if args.compile:  # the same weights, compiled by region
         compiled = glm53_ds.build_model(Glm53Config.from_text_dict(text), dtype=DTYPES[dtype_name], mtp=False)
         compiled.to(device).load_state_dict(ours.state_dict())
-        apply_compile(compiled.train())
+        apply_compile(compiled.train(), backend=args.compile_backend)
         models["glm53_ds_compiled"] = compiled
 
     rows = []
@@ -210,11 +218,16 @@ def main() -> None:
             try:
                 if name == "glm53_ds_compiled":
                     print(f"compiling (seq {seq}) ...", flush=True)
+                    begun = time.perf_counter()
                     step()  # the compiling step, untimed
+                    synchronize(device)
+                    row.update(compile_s=time.perf_counter() - begun)
+                    print(f"compiled in {row['compile_s']:.1f} s", flush=True)
                 cpu_s, seconds = cpu_and_wall(step, device, repeats=args.repeats)
                 with PeakRss() as rss:
                     step()
-                if name != "glm53_ds_compiled":  # inductor's buffers are not dispatched tensors
+                # on CPU inductor's buffers are not dispatched tensors (the RSS sees them); CUDA's allocator sees all
+                if name != "glm53_ds_compiled" or device.type == "cuda":
                     row.update(peak_MiB=peak_extra_bytes(step, list(model.parameters())) / 2**20)
                 row.update(step_s=seconds, cpu_s=cpu_s, tokens_per_s=args.batch * seq / seconds,
                            rss_MiB=rss.extra / 2**20, tflops=model_flops / seconds / 1e12)  # fmt: skip
@@ -234,7 +247,7 @@ def main() -> None:
           f"{packed['padded_shape']}): time {packed['time_ratio']:.3f}, memory {packed['mem_ratio']:.3f}")  # fmt: skip
     print(f"device: {device_description(device)}")
     print_table(rows, ["model", "seq", "batch", "dtype", "step_s", "cpu_s", "tokens_per_s", "tflops", "mfu",
-                       "peak_MiB", "rss_MiB", "host_syncs", "aten_ops", "error"])  # fmt: skip
+                       "peak_MiB", "rss_MiB", "compile_s", "host_syncs", "aten_ops", "error"])  # fmt: skip
     both = [s for s in seqs if all("step_s" in r for r in rows if r["seq"] == s)]
     summary: dict[str, Any] = dict(
         size=args.size, loss_rel_diff=loss_rel_diff, packed=packed, host_syncs=counts
@@ -245,9 +258,15 @@ def main() -> None:
                        mem_ratio_vs_hf=by["glm53_ds"]["peak_MiB"] / by["hf"]["peak_MiB"])  # fmt: skip
         if "glm53_ds_compiled" in by:
             fast, eager = by["glm53_ds_compiled"], by["glm53_ds"]
-            summary.update(compiled_time_ratio_vs_eager=fast["cpu_s"] / eager["cpu_s"],
-                           compiled_rss_ratio_vs_eager=fast["rss_MiB"] / max(eager["rss_MiB"], 1e-9),
-                           compiled_time_ratio_vs_hf=fast["cpu_s"] / by["hf"]["cpu_s"])  # fmt: skip
+            # CPU: process time (1 thread) and peak RSS; CUDA: synchronised wall time and the allocator's peak
+            clock = "cpu_s" if device.type == "cpu" else "step_s"
+            summary.update(compiled_time_ratio_vs_eager=fast[clock] / eager[clock],
+                           compiled_time_ratio_vs_hf=fast[clock] / by["hf"][clock],
+                           compile_s=fast["compile_s"])  # fmt: skip
+            if device.type == "cpu":
+                summary.update(compiled_rss_ratio_vs_eager=fast["rss_MiB"] / max(eager["rss_MiB"], 1e-9))
+            else:
+                summary.update(compiled_mem_ratio_vs_eager=fast["peak_MiB"] / eager["peak_MiB"])
     suffix = ("" if args.size == "tiny" else f"_{args.size}") + ("_compile" if args.compile else "")
     path = write_results(
         f"model_step_{device.type}{suffix}",
@@ -266,7 +285,9 @@ def main() -> None:
             for k in (
                 "compiled_time_ratio_vs_eager",
                 "compiled_rss_ratio_vs_eager",
+                "compiled_mem_ratio_vs_eager",
                 "compiled_time_ratio_vs_hf",
+                "compile_s",
             )
             if k in summary
         )  # fmt: skip

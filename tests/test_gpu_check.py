@@ -1,4 +1,5 @@
-"""The GPU check (`benchmarks/gpu_check.sh`) cannot lose what it measures: its steps fit 480 s of a 600 s call, in
+"""The GPU check (`benchmarks/gpu_check.sh`) cannot lose what it measures: its steps fit 540 s of a 600 s call (the install
+of the carried wheels takes about 10 s), in
 the order of their worth, and a run (the CPU dry run: the same code path) leaves in $OUT the log from its first
 line, a summary of every step and at most 8 files. Before: the limits added up to 600 s before the install, the
 log lived outside $OUT, 20+ files were copied (8 come back), and a step printed its rows only when it ended."""
@@ -24,7 +25,7 @@ def test_the_plan_fits_the_window_in_the_order_of_worth():
     lines = out.strip().splitlines()
     total = int(re.fullmatch(r"total (\d+) s", lines[-1]).group(1))
     limits = [int(re.search(r"\s(\d+) s\s", line).group(1)) for line in lines[:-1]]
-    assert total == sum(limits) <= 480
+    assert total == sum(limits) <= 540
     names = [line.split()[1] for line in lines[:-1]]
     assert names[:7] == ["imports", "smoke", "dsa_kernel", "moe_experts", "kda", "model_step", "train"]
     assert limits[1] <= 30  # the smoke step
