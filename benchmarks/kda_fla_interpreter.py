@@ -81,7 +81,12 @@ def _packed_documents_rows() -> list[dict]:
     results = {}
     for backend in ("torch", "fla"):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v, gate, beta)]
-        out = kda_attention(*leaves, backend=backend, documents=documents)
+        if backend == "torch":  # the reference: each document alone
+            out = torch.cat(
+                [chunk_kda_torch(*(t[:, a:e] for t in leaves)) for a, e in documents.bounds], dim=1
+            )
+        else:
+            out = kda_attention(*leaves, backend=backend, documents=documents)
         out.square().mean().backward()
         results[backend] = (out.detach(), [t.grad for t in leaves])
     fwd = _rel(results["fla"][0], results["torch"][0])

@@ -109,6 +109,43 @@ def test_packed_documents_of_changing_counts_and_lengths_compile_once():
 
 
 @pytest.mark.slow
+def test_a_packed_kda_layer_is_one_graph_for_every_packing():
+    """KDA over packed documents reads only the documents' tensors (each token's document and position, [T]
+    whatever the packing): a model of KDA layers (dense and MoE) traces whole (`fullgraph=True`) over packed rows,
+    10 packings of 1 to 6 documents compile once, and losses and gradients are eager's. The control: MLA's loop
+    over the documents (`transformer_layer._attention_over_documents`) fails the same whole-graph trace."""
+    text = dict(CONFIG_A, num_hidden_layers=2, layer_types=["linear_attention"] * 2, indexer_types=["full"] * 2,
+                mlp_layer_types=["dense", "sparse"])  # fmt: skip
+    cfg = Glm53Config.from_text_dict(text)
+    torch.manual_seed(0)
+    eager = glm53_ds.build_model(cfg, mtp=False, **KINDS).train()
+    compiled = glm53_ds.build_model(cfg, mtp=False, **KINDS).train()
+    compiled.load_state_dict(eager.state_dict())
+    torch._dynamo.reset()  # no cache entry of an earlier test's layers (their graphs are keyed by the code object)
+    apply_compile(compiled, backend="aot_eager", fullgraph=True)  # a graph break would raise
+    torch._dynamo.utils.counters.clear()
+    gen = torch.Generator().manual_seed(3)
+    length, graphs = 32, []
+    for step in range(10):
+        cuts = sorted(torch.randperm(length - 1, generator=gen)[: 1 + step % 5].add(1).tolist())
+        cu_seqlens = torch.tensor([0, *cuts, length])
+        ids = torch.randint(1, cfg.vocab_size, (1, length), generator=gen)
+        compiled_step = _step(compiled, ids, cu_seqlens=cu_seqlens)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        if step < 2:
+            _assert_equal_within(_step(eager, ids, cu_seqlens=cu_seqlens), compiled_step, 1e-5)
+    assert graphs[-1] == graphs[0], graphs
+    assert not torch._dynamo.utils.counters["graph_break"]
+    # the control: a DSA layer's documents leave its graph
+    _, with_dsa, _ = _model(torch.float32)
+    torch._dynamo.reset()
+    apply_compile(with_dsa, backend="aot_eager", fullgraph=True)
+    ids = torch.randint(1, cfg.vocab_size, (1, length), generator=gen)
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        with_dsa(ids, labels=ids, cu_seqlens=torch.tensor([0, 9, length]))
+
+
+@pytest.mark.slow
 def test_the_trainer_compiles_under_deepspeed_with_the_memory_options(tmp_path):
     """`--compile` as shipped, on two DeepSpeed ranks folding EP 2 and SP 2, with LoRA, full recompute, offloaded
     activations, MoE tiles and packed documents: the same losses and gradient norms as the eager run."""

@@ -6,11 +6,14 @@ megatron's `PackedSeqParams(qkv_format="thd", cu_seqlens_q=..., cu_seqlens_kv=..
 argument `TransformerBlock` hands every layer), so a stock `GPTModel` passes them too.
 
 Only the sequence mixers (KDA, MLA with its DSA indexer) see documents; everything else works per token. KDA takes
-the documents itself (`accepts_documents`): its short conv runs per document and its recurrence restarts at each
-boundary (fla's varlen kernel with `cu_seqlens` on CUDA, the torch path once per document otherwise). MLA with its
-indexer also takes them (`accepts_documents`) and runs its indexer and attention once per document: attention and
-the indexer's k-pools start at the document's first token, and a `shared` DSA layer reuses the selection of the
-same document. Both are exact by construction, also when sequence parallelism splits a document over ranks.
+the documents itself (`accepts_documents`): its short conv window and its recurrence restart at each boundary (fla's
+varlen kernel with `cu_seqlens` on CUDA; otherwise tensor code over the whole row with each token's document and
+position, `ids` / `positions`, whose shapes do not depend on the packing, so a compiled KDA layer is one graph for
+every packing). MLA with its indexer also takes them (`accepts_documents`) and runs its indexer and attention once
+per document, in Python over the host boundaries (a compiled layer leaves that loop eager): attention and the
+indexer's k-pools start at the document's first token, and a `shared` DSA layer reuses the selection of the same
+document. Both are exact by construction (KDA's tensor code up to fp32 rounding: its chunks are the row's, not the
+document's), also when sequence parallelism splits a document over ranks.
 """
 
 from __future__ import annotations
@@ -32,10 +35,15 @@ def check_cu_seqlens_type(cu_seqlens: object) -> None:
 
 @dataclass(frozen=True)
 class Documents:
-    """Validated document boundaries of a packed row of `length` tokens."""
+    """Validated document boundaries of a packed row of `length` tokens: as host ints (`bounds`, for the modules
+    that loop over documents) and as tensors whose shapes do not depend on the documents (`ids`, `positions`), for
+    tensor code that a compiled layer traces once for every packing of a row (KDA)."""
 
     bounds: tuple[tuple[int, int], ...]  # (start, end) per document, host ints
     cu_seqlens: torch.Tensor  # int32 [n_docs + 1], on the row's device
+    cu_seqlens_host: torch.Tensor  # int64 [n_docs + 1] on the CPU (fla builds its chunk indices from it)
+    ids: torch.Tensor  # int64 [T] on the row's device: each token's document
+    positions: torch.Tensor  # int64 [T] on the row's device: each token's position inside its document
 
     @property
     def length(self) -> int:
@@ -57,14 +65,21 @@ class Documents:
             )
         if any(b <= a for a, b in zip(cuts[:-1], cuts[1:], strict=True)):
             raise ValueError(f"cu_seqlens must be strictly increasing (no empty documents), got {cuts}")
-        return cls(tuple(zip(cuts[:-1], cuts[1:], strict=True)), cu_seqlens.to(torch.int32))
+        host = torch.tensor(cuts, dtype=torch.long)
+        lengths = host.diff()
+        ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)  # [T]
+        positions = torch.arange(length) - host[ids]
+        device = cu_seqlens.device
+        return cls(tuple(zip(cuts[:-1], cuts[1:], strict=True)), cu_seqlens.to(torch.int32), host,
+                   ids.to(device, non_blocking=True), positions.to(device, non_blocking=True))  # fmt: skip
 
     @classmethod
     def from_packed_seq_params(cls, params: PackedSeqParams, length: int, batch: int = 1) -> Documents:
         """The documents of megatron's packed-sequence parameters, validated once and kept on the object (every
         layer reads them; the host read happens once per forward)."""
         cached = getattr(params, "_glm53_documents", None)
-        if isinstance(cached, Documents) and cached.length == length and batch == 1:
+        # the length from a shape, not from `bounds`: a compiled layer would guard on every boundary it read
+        if isinstance(cached, Documents) and cached.ids.shape[0] == length and batch == 1:
             return cached
         q, kv = params.cu_seqlens_q, params.cu_seqlens_kv
         if q is None or (kv is not None and kv is not q and not torch.equal(q, kv)):
@@ -89,7 +104,6 @@ class Documents:
     def same_document(self, shift: int, device: torch.device) -> torch.Tensor:
         """bool [T]: position t and t + shift lie in the same document. Positions past the row's end count as the
         last document (a training window's `next_tokens` continue the row's last document)."""
-        doc = torch.full((self.length + shift,), len(self.bounds) - 1, dtype=torch.long, device=device)
-        for d, (start, end) in enumerate(self.bounds):
-            doc[start:end] = d
+        ids = self.ids.to(device)
+        doc = torch.cat([ids, ids.new_full((shift,), len(self.bounds) - 1)])
         return doc[: self.length] == doc[shift:]

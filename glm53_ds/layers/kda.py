@@ -94,21 +94,37 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = RowLinear(config, key_dim, hidden)
         self.sequence = SequenceParallel.of(pg_collection)  # None without sequence parallelism
 
-    def _short_conv(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _short_conv(
+        self, weight: torch.Tensor, x: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Causal depthwise conv + SiLU over time; x [b, s, C], weight [C, 1, kernel] -> [b, s, C] in x's dtype
-        (computed in the weight's dtype, fp32)."""
+        (computed in the weight's dtype, fp32). `positions` [s] (packed documents: each token's position in its
+        document): the window restarts at each document, a tap reaching j tokens back counting only where
+        position >= j (tensor code, the same for any packing)."""
         s = x.shape[1]
-        y = F.conv1d(
-            x.transpose(1, 2).to(weight.dtype),
-            weight,
-            padding=self.kernel_size - 1,
-            groups=x.shape[-1],
-        )
-        return F.silu(y[..., :s]).to(x.dtype).transpose(1, 2)
+        if positions is None:
+            y = F.conv1d(
+                x.transpose(1, 2).to(weight.dtype),
+                weight,
+                padding=self.kernel_size - 1,
+                groups=x.shape[-1],
+            )
+            return F.silu(y[..., :s]).to(x.dtype).transpose(1, 2)
+        # weight[..., last] multiplies the token itself, weight[..., last - j] the token j back
+        last = self.kernel_size - 1
+        xw = x.to(weight.dtype)
+        padded = F.pad(xw, (0, 0, last, 0))  # [b, s + last, C]
+        y = xw * weight[:, 0, last]
+        for j in range(1, self.kernel_size):
+            back = padded[:, last - j : last - j + s] * weight[:, 0, last - j]  # x[t - j] w, 0 before the row
+            y = y + back.masked_fill((positions < j)[None, :, None], 0.0)
+        return F.silu(y).to(x.dtype)
 
     # packed documents: this module restarts its conv window and recurrent state at each boundary itself (fla's
-    # varlen kernel), instead of running once per document
+    # varlen kernel, or tensor code over each token's document), instead of running once per document; it reads
+    # only the documents' tensors, so a compiled layer calls it inside its graph (transformer_layer.py)
     accepts_documents = True
+    traces_documents = True
 
     def forward(
         self,
@@ -139,12 +155,8 @@ class KimiDeltaAttention(nn.Module):
 
         def conv(module: nn.Conv1d, y: torch.Tensor) -> torch.Tensor:
             """[b, S, h, d] -> the same, convolved per channel (per document)."""
-            weight, flat = module.weight[channels], y.flatten(-2)
-            if documents is None:
-                out = self._short_conv(weight, flat)
-            else:
-                out = torch.cat([self._short_conv(weight, flat[:, a:e]) for a, e in documents.bounds], dim=1)
-            return out.view_as(y)
+            positions = None if documents is None else documents.positions
+            return self._short_conv(module.weight[channels], y.flatten(-2), positions).view_as(y)
 
         q = conv(self.q_conv1d, to_heads(self.q_proj(x).reshape(heads)))  # [b, S, H/N, dk]
         k = conv(self.k_conv1d, to_heads(self.k_proj(x).reshape(heads)))

@@ -38,11 +38,16 @@ def chunk_kda_torch(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
+    document_ids: torch.Tensor | None = None,
     chunk_size: int = CHUNK_SIZE,
 ) -> torch.Tensor:
     """q, k, g `[b, s, h, dk]`, v `[b, s, h, dv]`, beta `[b, s, h]` -> o `[b, s, h, dv]` in q's dtype.
 
-    q and k are l2-normalised here (in fp32), as FLA's `use_qk_l2norm_in_kernel=True`.
+    q and k are l2-normalised here (in fp32), as FLA's `use_qk_l2norm_in_kernel=True`. `document_ids` `[s]`
+    (packed documents, each token's document, non-decreasing): the state restarts at each document, in tensor code
+    over the row's own chunks (a compiled layer traces it once for any packing): inside a chunk a position
+    interacts only with positions of its document, the carried state reaches only the positions of the document
+    it carries, and a chunk hands on the state of its last document alone.
     """
     out_dtype = q.dtype
     # [b, s, h, d] -> [b, h, s, d], fp32
@@ -68,6 +73,15 @@ def chunk_kda_torch(
         g_last = gc[:, :, -1:]  # [b, h, 1, dk]
 
         causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()  # j <= i
+        carried = kept = in_last = None
+        if document_ids is not None:
+            ids = document_ids[start:end]
+            causal = causal & (ids[:, None] == ids[None, :])  # and of one document
+            # the state entering the chunk is the document of the token before it (none before the first chunk)
+            entering = document_ids[max(start - 1, 0)]
+            carried = (ids == entering)[:, None]  # [c, 1]: positions the carried state reaches
+            in_last = (ids == ids[-1])[:, None]  # [c, 1]: the document whose state the chunk hands on
+            kept = ids[-1] == entering  # that document is the carried one (no document began in the chunk)
         strictly_lower = causal.tril(-1)  # j < i
         # decay[i, j] = exp(G_i - G_j) for j <= i, 0 above the diagonal: [b, h, c, c, dk]
         log_decay = (gc.unsqueeze(-2) - gc.unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf"))
@@ -80,16 +94,24 @@ def chunk_kda_torch(
         eye = torch.eye(c, dtype=a.dtype, device=a.device)
         system = eye - a
         u = torch.linalg.solve_triangular(system, vc * bc, upper=False, unitriangular=True)  # [b, h, c, dv]
+        from_start = gc.exp()  # [b, h, c, dk]: the decay since the chunk's start
+        if carried is not None:
+            from_start = from_start * carried  # the carried state meets no other document
         w = torch.linalg.solve_triangular(
-            system, kb * gc.exp(), upper=False, unitriangular=True
+            system, kb * from_start, upper=False, unitriangular=True
         )  # [b, h, c, dk]
 
         v_new = u - w @ state  # what each position writes, after the carried state's prediction
         scores = (
             (qc.unsqueeze(-2) * kc.unsqueeze(-3) * decay).sum(-1).masked_fill(~causal, 0.0)
         )  # [b, h, c, c]
-        outputs.append((qc * gc.exp()) @ state + scores @ v_new)
-        state = state * g_last.exp().transpose(-1, -2) + (kc * (g_last - gc).exp()).transpose(-1, -2) @ v_new
+        outputs.append((qc * from_start) @ state + scores @ v_new)
+        to_end = kc * (g_last - gc).exp()  # [b, h, c, dk]
+        decayed = state * g_last.exp().transpose(-1, -2)
+        if in_last is not None and kept is not None:
+            to_end = to_end * in_last  # only the last document's writes reach the next chunk
+            decayed = decayed * kept  # its state starts from zero when it began in this chunk
+        state = decayed + to_end.transpose(-1, -2) @ v_new
 
     o = torch.cat(outputs, dim=2) if outputs else v.new_zeros(b, h, 0, dv)
     return o.transpose(1, 2).contiguous().to(out_dtype)
@@ -114,32 +136,41 @@ def check_contract(
 class _ContractOnMeta(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
-    ) -> torch.Tensor:
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         ctx.save_for_backward(q, k, v, g, beta)
         with torch._C._AutoDispatchBelowAutograd():  # to the Meta kernel, through any dispatch mode
-            return torch.ops.glm53.kda_reference(q, k, v, g, beta)
+            return torch.ops.glm53.kda_reference(q, k, v, g, beta, document_ids)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.empty_like(t) for t in ctx.saved_tensors)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (*(torch.empty_like(t) for t in ctx.saved_tensors), None)
 
 
 _LIBRARY = torch.library.Library("glm53", "FRAGMENT")
-_LIBRARY.define("kda_reference(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta) -> Tensor")
+_LIBRARY.define(
+    "kda_reference(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? document_ids=None) -> Tensor"
+)
 for _key in ("CPU", "CUDA", "AutogradCPU", "AutogradCUDA"):
     _LIBRARY.impl("kda_reference", chunk_kda_torch, _key)
 _LIBRARY.impl("kda_reference", _ContractOnMeta.apply, "AutogradMeta")
-_LIBRARY.impl("kda_reference", lambda q, k, v, g, beta: torch.empty_like(v, dtype=q.dtype), "Meta")
+_LIBRARY.impl(
+    "kda_reference", lambda q, k, v, g, beta, document_ids=None: torch.empty_like(v, dtype=q.dtype), "Meta"
+)
 fused_kernels.register(fused_kernels.FusedKernel("KDA (fla chunk_kda)", "glm53::kda_reference"))
 
 
 def kda_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
-) -> torch.Tensor:
-    """The torch reference through its op: o [b, s, h, dv] in q's dtype, differentiable in every input."""
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The torch reference through its op: o [b, s, h, dv] in q's dtype, differentiable in every input;
+    `document_ids` [s]: packed documents (`chunk_kda_torch`)."""
     check_contract(q, k, v, g, beta)
-    return torch.ops.glm53.kda_reference(q, k, v, g, beta)
+    if document_ids is not None:
+        expect_shape("KDA document_ids", document_ids, (q.shape[1],))
+    return torch.ops.glm53.kda_reference(q, k, v, g, beta, document_ids)
 
 
 @functools.cache
@@ -163,7 +194,8 @@ def kda_attention(
 ) -> torch.Tensor:
     """`backend` (the config's `kda_impl`): fla-core's chunked KDA kernel, the torch reference, or `auto` (fla on
     CUDA when installed). `documents` (batch 1): the state restarts at each document, through fla's varlen kernel
-    (`cu_seqlens`) or the torch reference once per document."""
+    (`cu_seqlens`) or the torch reference over the whole row with each token's document (`documents.ids`): tensor
+    code whose shapes do not depend on the documents, which a compiled layer traces once."""
     if backends.resolve(backends.KDA, backend, q.device) == "fla":
         from fla.ops.kda import chunk_kda
 
@@ -172,12 +204,7 @@ def kda_attention(
             varlen["cu_seqlens"] = documents.cu_seqlens.to(device=q.device, dtype=torch.long)
             # the boundaries the host knows: fla builds its chunk indices without reading them back
             if _takes_cu_seqlens_cpu(chunk_kda):
-                varlen["cu_seqlens_cpu"] = torch.tensor([0] + [e for _, e in documents.bounds])
+                varlen["cu_seqlens_cpu"] = documents.cu_seqlens_host
         out, _ = chunk_kda(q=q, k=k, v=v, g=g.float(), beta=beta, use_qk_l2norm_in_kernel=True, **varlen)
         return out.to(q.dtype)
-    if documents is None:
-        return kda_reference(q, k, v, g, beta)
-    parts = [
-        kda_reference(q[:, a:e], k[:, a:e], v[:, a:e], g[:, a:e], beta[:, a:e]) for a, e in documents.bounds
-    ]
-    return torch.cat(parts, dim=1)
+    return kda_reference(q, k, v, g, beta, None if documents is None else documents.ids)

@@ -85,7 +85,8 @@ def _kda_reference() -> list[tuple]:
     v = torch.randn(b, h, s, d, generator=g).transpose(1, 2).requires_grad_()  # non-contiguous
     decay = (-torch.rand(b, s, h, d, generator=g)).requires_grad_()
     beta = torch.rand(b, s, h, generator=g, requires_grad=True)
-    return [(q, k, v, decay, beta)]
+    documents = torch.tensor([0, 0, 0, 1, 2, 2, 2, 2])  # packed: each token's document
+    return [(q, k, v, decay, beta), (q, k, v, decay, beta, documents)]
 
 
 def _block_fp8_grouped_mm() -> list[tuple]:
