@@ -36,7 +36,9 @@ def _step(model: torch.nn.Module, ids: torch.Tensor, **kw) -> tuple[torch.Tensor
     parts = model(ids, labels=ids, return_parts=True, **kw)
     parts.total.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return torch.stack([parts.total, parts.lm, parts.aux, parts.indexer]).detach(), grads
+    # a model without DSA layers has no indexer loss
+    losses = [t for t in (parts.total, parts.lm, parts.aux, parts.indexer) if t is not None]
+    return torch.stack(losses).detach(), grads
 
 
 def _assert_equal_within(a, b, rel: float) -> None:
