@@ -112,12 +112,13 @@ class KimiDeltaAttention(nn.Module):
             return F.silu(y[..., :s]).to(x.dtype).transpose(1, 2)
         # weight[..., last] multiplies the token itself, weight[..., last - j] the token j back
         last = self.kernel_size - 1
-        xw = x.to(weight.dtype)
-        padded = F.pad(xw, (0, 0, last, 0))  # [b, s + last, C]
-        y = xw * weight[:, 0, last]
+        # every product reads the one padded copy (all that autograd keeps, as conv1d keeps its input), and the sum
+        # grows in place: the memory of the conv1d above
+        padded = F.pad(x.to(weight.dtype), (0, 0, last, 0))  # [b, s + last, C], zeros before the row
+        y = padded[:, last:] * weight[:, 0, last]
         for j in range(1, self.kernel_size):
-            back = padded[:, last - j : last - j + s] * weight[:, 0, last - j]  # x[t - j] w, 0 before the row
-            y = y + back.masked_fill((positions < j)[None, :, None], 0.0)
+            back = padded[:, last - j : last - j + s] * weight[:, 0, last - j]  # x[t - j] w
+            y = y.add_(back.masked_fill_((positions < j)[None, :, None], 0.0))
         return F.silu(y).to(x.dtype)
 
     # packed documents: this module restarts its conv window and recurrent state at each boundary itself (fla's

@@ -120,16 +120,21 @@ def _check_steps(results, first_norm_tol: float = 1e-6, sgd_tol: float = 1e-5):
 
 def _check_offload(results):
     """ZeRO-Offload: the host update is DeepSpeedCPUAdam's, and after 5 AdamW steps (lr 1e-3) every parameter
-    element is within lr / 20 of its device twin's (torch AdamW on the device, the run otherwise the same).
-    Measured: fp32 7.3e-6 (DeepSpeedCPUAdam's vectorised arithmetic rounds otherwise: 87% of the elements differ in
-    their last bits), bf16 1.5e-5 (one bf16 rounding step, on 0.003% of the elements). Both runs are also held to
-    the single-process steps (`_check_steps`: 2 x steps x lr); the control without the gradient-sync patch is
-    caught by its replicas."""
+    element is its device twin's (torch AdamW on the device, the run otherwise the same) within lr / 20 (fp32), and
+    within lr / 20 plus one bf16 rounding step at that element (bf16: the masters within lr / 20, each rounded to
+    bf16). DeepSpeedCPUAdam's vectorised arithmetic rounds otherwise (fp32: 87% of the elements differ in their
+    last bits, measured 7.3e-6 and 5.5e-6), so a bf16 copy whose master lies near a rounding boundary lands one
+    step away, of whatever size that step has at the element: measured 1.5e-5 in one run, 4.9e-4 in another (a step
+    at an element near 0.1, which failed the former bound of lr / 20 alone), 2.7e-5 beyond one step. Both runs are also held to the single-process steps (`_check_steps`: 2 x steps x lr); the control
+    without the gradient-sync patch is caught by its replicas."""
     for rank_result in results:
         offloaded = [r for r in rank_result["steps"] if r["case"].get("offload")]
         assert offloaded and all(r["host_optimizer"] == "DeepSpeedCPUAdam" for r in offloaded)
         diffs = {r["case"]["twin"]: r["twin_diff"] for r in offloaded if "twin" in r["case"]}
-        assert set(diffs) == {"fp32", "bf16"} and max(diffs.values()) <= LR_ADAM / 20, diffs
+        assert set(diffs) == {"fp32", "bf16"}, diffs
+        assert (
+            diffs["fp32"]["largest"] <= LR_ADAM / 20 and diffs["bf16"]["beyond_one_bf16_step"] <= LR_ADAM / 20
+        ), diffs
 
 
 def _run(tmp_path, checkpoints, world, ep, etp):
@@ -281,9 +286,10 @@ def training_steps(
 _TWINS: dict[str, dict[str, torch.Tensor]] = {}  # a rank's parameters after each device twin, by twin name
 
 
-def _twin_diff(case: dict[str, Any], model: torch.nn.Module) -> float | None:
+def _twin_diff(case: dict[str, Any], model: torch.nn.Module) -> dict[str, float] | None:
     """For an offloaded case: the largest difference of any parameter element from its device twin's (run just
-    before on this rank); the twin's parameters are kept for it."""
+    before on this rank), and the largest by which one exceeds a bf16 rounding step at that element (the spacing
+    of bf16 values at the larger of the two magnitudes); the twin's parameters are kept for it."""
     if "twin" not in case:
         return None
     params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
@@ -291,7 +297,15 @@ def _twin_diff(case: dict[str, Any], model: torch.nn.Module) -> float | None:
         _TWINS[case["twin"]] = params
         return None
     device = _TWINS.pop(case["twin"])
-    return max(float((params[n] - t).abs().max()) for n, t in device.items())
+    largest = beyond = 0.0
+    for name, twin in device.items():
+        diff = (params[name] - twin).abs()
+        # values in [2^(e-1), 2^e) lie 2^(e-8) apart in bf16 (8 significant bits)
+        exponent = torch.frexp(torch.maximum(params[name].abs(), twin.abs())).exponent
+        step = torch.ldexp(torch.ones_like(diff), exponent - 8)
+        largest = max(largest, float(diff.max()))
+        beyond = max(beyond, float((diff - step).clamp_min(0).max()))
+    return dict(largest=largest, beyond_one_bf16_step=beyond)
 
 
 def _steps(engine, ref, case, lr, gas, rate, rank, world) -> dict[str, Any]:  # type: ignore[no-untyped-def]
