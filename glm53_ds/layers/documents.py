@@ -18,6 +18,7 @@ document's), also when sequence parallelism splits a document over ranks.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,13 +42,17 @@ class Documents:
 
     bounds: tuple[tuple[int, int], ...]  # (start, end) per document, host ints
     cu_seqlens: torch.Tensor  # int32 [n_docs + 1], on the row's device
-    cu_seqlens_host: torch.Tensor  # int64 [n_docs + 1] on the CPU (fla builds its chunk indices from it)
     ids: torch.Tensor  # int64 [T] on the row's device: each token's document
     positions: torch.Tensor  # int64 [T] on the row's device: each token's position inside its document
 
     @property
     def length(self) -> int:
         return self.bounds[-1][1]
+
+    @functools.cached_property
+    def cu_seqlens_host(self) -> torch.Tensor:
+        """int64 [n_docs + 1] on the CPU, from the host boundaries (fla builds its chunk indices from it)."""
+        return torch.tensor([0] + [end for _, end in self.bounds])
 
     @classmethod
     def from_cu_seqlens(
@@ -65,13 +70,13 @@ class Documents:
             )
         if any(b <= a for a, b in zip(cuts[:-1], cuts[1:], strict=True)):
             raise ValueError(f"cu_seqlens must be strictly increasing (no empty documents), got {cuts}")
-        host = torch.tensor(cuts, dtype=torch.long)
-        lengths = host.diff()
-        ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)  # [T]
-        positions = torch.arange(length) - host[ids]
-        device = cu_seqlens.device
-        return cls(tuple(zip(cuts[:-1], cuts[1:], strict=True)), cu_seqlens.to(torch.int32), host,
-                   ids.to(device, non_blocking=True), positions.to(device, non_blocking=True))  # fmt: skip
+        # each token's document and position, computed where the row is (no host data sent, nothing read back)
+        cu = cu_seqlens.to(torch.long)
+        tokens = torch.arange(length, device=cu.device)
+        ids = torch.searchsorted(cu, tokens, right=True) - 1  # [T]
+        return cls(
+            tuple(zip(cuts[:-1], cuts[1:], strict=True)), cu_seqlens.to(torch.int32), ids, tokens - cu[ids]
+        )
 
     @classmethod
     def from_packed_seq_params(cls, params: PackedSeqParams, length: int, batch: int = 1) -> Documents:
