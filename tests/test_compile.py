@@ -22,13 +22,34 @@ from tests.model_fixtures import CONFIG_A
 KINDS = dict(moe_seq_aux_loss_coef=0.1, indexer_loss_coef=0.5)
 
 
-def _model(dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module, Glm53Config]:
-    cfg = Glm53Config.from_text_dict(CONFIG_A)
+def _model(
+    dtype: torch.dtype, text: dict | None = None, **kw
+) -> tuple[torch.nn.Module, torch.nn.Module, Glm53Config]:
+    """Two equal models of `text` (CONFIG_A): one to run eager, one to compile."""
+    cfg = Glm53Config.from_text_dict(CONFIG_A if text is None else text)
     torch.manual_seed(0)
-    eager = glm53_ds.build_model(cfg, dtype=dtype, **KINDS).train()
-    compiled = glm53_ds.build_model(cfg, dtype=dtype, **KINDS).train()
+    eager = glm53_ds.build_model(cfg, dtype=dtype, **KINDS, **kw).train()
+    compiled = glm53_ds.build_model(cfg, dtype=dtype, **KINDS, **kw).train()
     compiled.load_state_dict(eager.state_dict())
     return eager, compiled, cfg
+
+
+def _packed_rows(
+    eager, compiled, vocab: int, gen: torch.Generator, steps: int, n_cuts, checked: int
+) -> list[int]:
+    """`steps` packed rows of 32 tokens, row i cut at `n_cuts(i, gen)` random places, each through the compiled
+    model (the first `checked` also through eager: losses and gradients within 1e-5); dynamo's count of unique
+    graphs after each row."""
+    length, graphs = 32, []
+    for step in range(steps):
+        cuts = sorted(torch.randperm(length - 1, generator=gen)[: n_cuts(step, gen)].add(1).tolist())
+        cu_seqlens = torch.tensor([0, *cuts, length])
+        ids = torch.randint(1, vocab, (1, length), generator=gen)
+        compiled_step = _step(compiled, ids, cu_seqlens=cu_seqlens)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        if step < checked:
+            _assert_equal_within(_step(eager, ids, cu_seqlens=cu_seqlens), compiled_step, 1e-5)
+    return graphs
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor, **kw) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -94,16 +115,8 @@ def test_packed_documents_of_changing_counts_and_lengths_compile_once():
     apply_compile(compiled, backend="aot_eager")
     torch._dynamo.utils.counters.clear()
     gen = torch.Generator().manual_seed(2)
-    length, graphs = 32, []
-    for step in range(20):
-        n_cuts = int(torch.randint(0, 6, (1,), generator=gen))
-        cuts = sorted(torch.randperm(length - 1, generator=gen)[:n_cuts].add(1).tolist())
-        cu_seqlens = torch.tensor([0, *cuts, length])
-        ids = torch.randint(1, cfg.vocab_size, (1, length), generator=gen)
-        compiled_step = _step(compiled, ids, cu_seqlens=cu_seqlens)
-        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-        if step < 3:
-            _assert_equal_within(_step(eager, ids, cu_seqlens=cu_seqlens), compiled_step, 1e-5)
+    graphs = _packed_rows(eager, compiled, cfg.vocab_size, gen, 20,
+                          lambda step, gen: int(torch.randint(0, 6, (1,), generator=gen)), checked=3)  # fmt: skip
     assert graphs[-1] - graphs[0] <= 1, graphs  # at most one recompile after the first step
     # the only graph breaks are the sequence mixers left eager over the documents
     breaks = torch._dynamo.utils.counters["graph_break"]
@@ -118,33 +131,21 @@ def test_a_packed_kda_layer_is_one_graph_for_every_packing():
     over the documents (`transformer_layer._attention_over_documents`) fails the same whole-graph trace."""
     text = dict(CONFIG_A, num_hidden_layers=2, layer_types=["linear_attention"] * 2, indexer_types=["full"] * 2,
                 mlp_layer_types=["dense", "sparse"])  # fmt: skip
-    cfg = Glm53Config.from_text_dict(text)
-    torch.manual_seed(0)
-    eager = glm53_ds.build_model(cfg, mtp=False, **KINDS).train()
-    compiled = glm53_ds.build_model(cfg, mtp=False, **KINDS).train()
-    compiled.load_state_dict(eager.state_dict())
+    eager, compiled, cfg = _model(torch.float32, text, mtp=False)
     torch._dynamo.reset()  # no cache entry of an earlier test's layers (their graphs are keyed by the code object)
     apply_compile(compiled, backend="aot_eager", fullgraph=True)  # a graph break would raise
     torch._dynamo.utils.counters.clear()
     gen = torch.Generator().manual_seed(3)
-    length, graphs = 32, []
-    for step in range(10):
-        cuts = sorted(torch.randperm(length - 1, generator=gen)[: 1 + step % 5].add(1).tolist())
-        cu_seqlens = torch.tensor([0, *cuts, length])
-        ids = torch.randint(1, cfg.vocab_size, (1, length), generator=gen)
-        compiled_step = _step(compiled, ids, cu_seqlens=cu_seqlens)
-        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-        if step < 2:
-            _assert_equal_within(_step(eager, ids, cu_seqlens=cu_seqlens), compiled_step, 1e-5)
+    graphs = _packed_rows(eager, compiled, cfg.vocab_size, gen, 10, lambda step, gen: 1 + step % 5, checked=2)
     assert graphs[-1] == graphs[0], graphs
     assert not torch._dynamo.utils.counters["graph_break"]
     # the control: a DSA layer's documents leave its graph
     _, with_dsa, _ = _model(torch.float32)
     torch._dynamo.reset()
     apply_compile(with_dsa, backend="aot_eager", fullgraph=True)
-    ids = torch.randint(1, cfg.vocab_size, (1, length), generator=gen)
+    ids = torch.randint(1, cfg.vocab_size, (1, 32), generator=gen)
     with pytest.raises(torch._dynamo.exc.Unsupported):
-        with_dsa(ids, labels=ids, cu_seqlens=torch.tensor([0, 9, length]))
+        with_dsa(ids, labels=ids, cu_seqlens=torch.tensor([0, 9, 32]))
 
 
 @pytest.mark.slow

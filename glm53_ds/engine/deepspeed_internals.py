@@ -410,10 +410,11 @@ def weights_only_loads() -> Iterator[None]:
 @contextmanager
 def one_model_states_writer(engine: Any, layout: ParallelLayout, save_dir: str, tag: str) -> Iterator[None]:
     """While DeepSpeed saves `<save_dir>/<tag>`: its model-states file (`mp_rank_<ETP rank>_model_states.pt`)
-    written by one rank per ETP rank, the first of its data-parallel group (SP ranks included). DeepSpeed's MoE save writes it on every rank of data-parallel rank 0,
-    and its data-parallel group (the mpu's, without SP ranks) gives rank 0 to every SP rank of the first replica: at
-    SP > 1 several ranks would write one file at once, an unreadable mixture of their archives (seen: a two-node
-    run's checkpoint that no resume could open). Every other file DeepSpeed writes is left as it is."""
+    written by one rank per ETP rank, the first of its data-parallel group (SP ranks included). DeepSpeed's MoE save
+    writes it on every rank of data-parallel rank 0, and its data-parallel group (the mpu's, without SP ranks) gives
+    rank 0 to every SP rank of the first replica: at SP > 1 several ranks would write one file at once, an
+    unreadable mixture of their archives (seen: a two-node run's checkpoint that no resume could open). Every other
+    file DeepSpeed writes is left as it is."""
     path = engine._get_ckpt_name(save_dir, tag)
     # the first of its DP group is also DP rank 0 without SP ranks: a rank DeepSpeed lets write it
     writes = layout.rank == layout.dp_ranks[0]
