@@ -219,6 +219,7 @@ class _CompileOnly:
                 # a variant by its constexpr
                 name = fn.fn.__name__ + (":atomic" if kwargs.get("ATOMIC") else "")
                 name += f":K{kwargs['K2']}" if "K2" in kwargs else ""  # the indexer's running top-k width
+                name += ":documents" if kwargs.get("DOCUMENTS") else ""  # ... over a packed row's documents
                 record.compiled.append((name, kernel, time.perf_counter() - started))
             return kernel
 
@@ -275,7 +276,8 @@ def _block_fp8(dtype: torch.dtype, tokens: int) -> None:
 def _indexer(dtype: torch.dtype, tokens: int) -> None:
     """The indexer's streaming top-k as `DsaIndexer.select` calls it at the released width: 32 indexer heads of 128,
     q as `wq_b`'s output viewed [b, r, Hi, d], pool keys of a 128k sequence at kpool 16 (8,192 pools), K = 2048 / 16
-    = 128 chosen pools; and K = 512 (kpool 4), the widest running top-k."""
+    = 128 chosen pools; and K = 512 (kpool 4), the widest running top-k; and K = 128 over a packed row of 8k-token
+    documents (`visible_to`)."""
     from glm53_ds.layers import indexer_topk_triton as kernel
 
     g = torch.Generator().manual_seed(0)
@@ -290,6 +292,8 @@ def _indexer(dtype: torch.dtype, tokens: int) -> None:
     visible_from = (torch.arange(pools) * 16 + 15)[None]
     for chosen in (128, 512):
         kernel.indexer_topk(q, weights, keys, visible_from, 0, chosen, INDEXER_DIM**-0.5)
+    visible_to = (visible_from // 8192 + 1) * 8192  # each pool's document's end
+    kernel.indexer_topk(q, weights, keys, visible_from, 0, 128, INDEXER_DIM**-0.5, visible_to)
 
 
 CALLERS = {"dsa": _dsa, "hc_post": _hc_post, "block_fp8": _block_fp8, "indexer": _indexer}
@@ -387,9 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"Triton {head['triton']}, torch {head['torch']}: every kernel compiled for sm_90 at the released "
              f"width (64 heads, latent 512, W {SLOTS}, hidden {HIDDEN}; the DSA kernels in bf16 also at "
              f"{', '.join(map(str, FEWER_HEADS))} heads) in {head['seconds']} s",
-             f"{'kernel':<26}{'dtype':<6}{'regs':>5}{'stack':>7}{'in loops':>9}{'smem KiB':>10}{'warps':>6}"
+             f"{'kernel':<36}{'dtype':<6}{'regs':>5}{'stack':>7}{'in loops':>9}{'smem KiB':>10}{'warps':>6}"
              f"{'occupancy':>10}  mma (wgmma shapes: count)"]  # fmt: skip
-    lines += [f"{r.kernel + (f' ({r.heads}h)' if r.heads and r.heads != HEADS else ''):<26}{r.dtype:<6}{r.registers:>5}{r.stack_bytes:>7}{r.loop_spills:>9}"
+    lines += [f"{r.kernel + (f' ({r.heads}h)' if r.heads and r.heads != HEADS else ''):<36}{r.dtype:<6}{r.registers:>5}{r.stack_bytes:>7}{r.loop_spills:>9}"
               f"{r.shared_bytes / 1024:>10.1f}{r.warps:>6}{r.occupancy:>10.0%}  {r.mma}"
               + (" (" + ", ".join(f"{k}: {v}" for k, v in (r.wgmma_shapes or {}).items()) + ")" if r.wgmma_shapes else "")
               + (f"; on every warpgroup: {', '.join(r.replicated)}" if r.replicated else "")

@@ -6,12 +6,11 @@ Layers of one kind share one compiled code: the code object is the class's, and 
 `inline_inbuilt_nn_modules`) takes the module's parameters as inputs, not as constants; each kind (first layer,
 KDA or DSA, dense or MoE, MTP) is one entry of that code's cache, so the cache limit is raised to hold them all.
 
-Graph breaks: none in any region of a batch of whole rows (tests/test_compile.py traces each with
-`fullgraph=True`). With packed documents a KDA layer is still one graph (it reads the documents' tensors only,
-whose shapes do not depend on the packing), while an MLA layer's sequence mixer runs eager
-(`transformer_layer._attention_over_documents`: it loops over the documents in Python, so each new document count
-would be a new graph) and the layer around it stays compiled, in two graphs. Regions are therefore compiled with
-`fullgraph=False`.
+Graph breaks: none in any region, whole rows and packed documents alike (tests/test_compile.py traces each with
+`fullgraph=True`): KDA and MLA with its DSA indexer read a packed row's documents as tensors whose shapes do not
+depend on the packing (`Documents.ids` / `positions`), so one graph serves every packing. Only the dense parity
+path (`attention_impl=dense | eager`) loops over documents in Python and leaves that loop eager; regions are
+therefore compiled with `fullgraph=False`.
 
 Outside the regions (eager): the embedding, the input checks and their one host read, megatron's block loop (and
 its full recompute), the stream mean and the final norm, the head's target shifts. Inside, a region runs in a

@@ -162,15 +162,10 @@ class Glm53TransformerLayer(TransformerLayer):
                 raise ValueError(
                     f"{type(self.self_attention).__name__} does not take packed documents (packed_seq_params)"
                 )
-            # the whole row's documents (under sequence parallelism this rank holds s of its s * SP tokens)
-            if getattr(self.self_attention, "traces_documents", False):
-                # tensor code over the documents' tensors: inside the compiled layer's graph
-                documents = Documents.from_packed_seq_params(packed_seq_params, s * self.sp_size, b)
-                attention = functools.partial(self.self_attention, documents=documents)
-            else:
-                attention = functools.partial(
-                    _attention_over_documents, self.self_attention, packed_seq_params, s * self.sp_size, b
-                )
+            # the whole row's documents (under sequence parallelism this rank holds s of its s * SP tokens): tensor
+            # code over the documents' tensors, inside the compiled layer's graph
+            documents = Documents.from_packed_seq_params(packed_seq_params, s * self.sp_size, b)
+            attention = functools.partial(self.self_attention, documents=documents)
         if trailing_padding is not None:
             attention = functools.partial(attention, trailing_padding=trailing_padding)
         streams, selection = self._sublayer(
@@ -188,17 +183,6 @@ class Glm53TransformerLayer(TransformerLayer):
 
         streams, _ = self._sublayer(self.ffn_hc, self.pre_mlp_layernorm, ffn_maybe_recomputed, streams)
         return (pack_streams(streams) if self.uses_mhc else streams), selection
-
-
-@torch.compiler.disable
-def _attention_over_documents(
-    attention: Callable[..., Any], params: PackedSeqParams, length: int, batch: int, *args: Any, **kwargs: Any
-) -> Any:
-    """The sequence mixer over packed documents (MLA with its DSA indexer). It runs once per document, in Python
-    loops over the host-known boundaries, so a compiled layer (glm53_ds/compile.py) leaves it eager: traced, every
-    new document count and length would be a new graph. The rest of the layer stays compiled, one graph before and
-    one after. KDA reads only the documents' tensors (`traces_documents`) and stays inside the layer's graph."""
-    return attention(*args, documents=Documents.from_packed_seq_params(params, length, batch), **kwargs)
 
 
 def _module_class(spec: Any) -> type | None:

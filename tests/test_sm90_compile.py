@@ -21,6 +21,7 @@ from tests.cli import ROOT
 COMMON = {
     "indexer_topk_kernel:K128",  # the indexer's streaming top-k at K = 128 (kpool 16) and 512 (kpool 4)
     "indexer_topk_kernel:K512",
+    "indexer_topk_kernel:K128:documents",  # over a packed row's documents
     "fwd_kernel",
     "segment_sum_kernel",
     "hc_post_fwd_kernel",

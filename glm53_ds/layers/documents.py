@@ -5,15 +5,14 @@ increasing; document d is tokens `cu_seqlens[d] : cu_seqlens[d + 1]`. Inside meg
 megatron's `PackedSeqParams(qkv_format="thd", cu_seqlens_q=..., cu_seqlens_kv=...)` (the `packed_seq_params`
 argument `TransformerBlock` hands every layer), so a stock `GPTModel` passes them too.
 
-Only the sequence mixers (KDA, MLA with its DSA indexer) see documents; everything else works per token. KDA takes
-the documents itself (`accepts_documents`): its short conv window and its recurrence restart at each boundary (fla's
-varlen kernel with `cu_seqlens` on CUDA; otherwise tensor code over the whole row with each token's document and
-position, `ids` / `positions`, whose shapes do not depend on the packing, so a compiled KDA layer is one graph for
-every packing). MLA with its indexer also takes them (`accepts_documents`) and runs its indexer and attention once
-per document, in Python over the host boundaries (a compiled layer leaves that loop eager): attention and the
-indexer's k-pools start at the document's first token, and a `shared` DSA layer reuses the selection of the same
-document. Both are exact by construction (KDA's tensor code up to fp32 rounding: its chunks are the row's, not the
-document's), also when sequence parallelism splits a document over ranks.
+Only the sequence mixers (KDA, MLA with its DSA indexer) see documents (`accepts_documents`); everything else works
+per token. Both take them as tensor code over the whole row with each token's document and position (`ids`,
+`positions`), whose shapes do not depend on the packing, so a compiled layer is one graph for every packing: KDA's
+short conv window and its recurrence restart at each boundary (fla's varlen kernel with `cu_seqlens` on CUDA); the
+DSA indexer's k-pools start at each document's first token and are candidates only for its queries, so selections
+(row positions) stay inside the document and a `shared` layer reuses them. Both are exact (KDA's tensor code up to
+fp32 rounding: its chunks are the row's, not the document's; the indexer up to the order of exactly tied scores,
+docs/usage.md), also when sequence parallelism splits a document over ranks.
 """
 
 from __future__ import annotations

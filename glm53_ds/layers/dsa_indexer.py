@@ -17,7 +17,10 @@ rows of padding queries are all -1. Slots `[k * kpool, (k + 1) * kpool)` hold th
 Memory is O(L): the pools ([b, P, d], P = L / kpool) are built once, then steps 2-4 run per block of query rows.
 `indexer_impl` (glm53_ds/backends.py) picks how steps 2-3 run:
   - `torch` (default off CUDA): HF's expression, one block's `[rows, heads, P]` scores at a time (`block_rows`, under
-    `SCORE_BLOCK_BYTES`) and `topk`. Its selections equal HF's exactly (tests/test_module_parity.py).
+    `SCORE_BLOCK_BYTES`) and `topk`. Its selections equal HF's exactly (tests/test_module_parity.py). In a packed row
+    (`document_pools`) `topk` sees the row's pools, not one document's, so its order of exactly tied scores would
+    be neither HF's per document nor defined: there ties rank by ascending pool (`top_pools_stable`), the kernel's
+    order.
   - `triton` (default on CUDA): one streaming kernel that keeps a running top-k in registers (`indexer_topk.py`),
     holding only the block's queries. Its selections equal the torch path's, except that exactly equal scores are
     ranked by ascending pool, where `topk`'s order is its device's (`indexer_topk.py`).
@@ -41,7 +44,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import backends, host_reads
 from ..transformer_config import Glm53TransformerConfig
-from .indexer_topk import NOT_VISIBLE, top_pools_fused
+from .documents import Documents
+from .indexer_topk import NOT_VISIBLE, top_pools_fused, top_pools_stable
 from .linear import ColumnLinear
 
 # One block of query rows holds its [b, rows, heads, P] fp32 scores (and their weighted sum) under this many bytes:
@@ -54,16 +58,20 @@ SCORE_BLOCK_BYTES["meta"] = SCORE_BLOCK_BYTES["cuda"]
 
 @dataclass
 class Pools:
-    """The k-pools of one key sequence [b, S] (a document)."""
+    """The k-pools of one key sequence [b, S]: a whole row (`DsaIndexer.pools`: pools start at its first real token)
+    or a packed row of documents (`DsaIndexer.document_pools`: each document's pools start at its first real token,
+    and only its own queries see them)."""
 
     keys: torch.Tensor  # [b, P, d] pool keys (differentiable in the indexer's parameters when it trains)
     tokens: torch.Tensor  # [b, P, kpool] token indices, -1 outside the sequence
-    complete: torch.Tensor  # [b, P] bool: every token real and inside the sequence
-    last: torch.Tensor  # [b, P] the last token of each pool (clamped into the sequence)
-    visible_from: (
+    # [b, P] int64: a complete pool's last token (a candidate from there), else NOT_VISIBLE
+    visible_from: torch.Tensor
+    # [b, P] int64: a candidate only for queries before this position (its document's end); None: to the row's end
+    visible_to: torch.Tensor | None
+    first_real: (
         torch.Tensor
-    )  # [b, P] int64: a complete pool's last token (a candidate from there), else NOT_VISIBLE
-    first_real: torch.Tensor  # [b]
+    )  # [b, S]: the first real token of the document holding each position (row: the row's)
+    n_real_before: torch.Tensor  # [b, S]: real keys before the document holding each position (row: 0)
     mask: torch.Tensor  # [b, S] bool: real keys
     n_real_upto: torch.Tensor  # [b, S] number of real keys at positions <= j
 
@@ -146,9 +154,67 @@ class DsaIndexer(nn.Module):
         tokens, complete = tokens[:, keep], complete[:, keep]
         last = tokens[..., -1].clamp(0, s - 1)
         return Pools(
-            keys=pool_keys[:, keep], tokens=tokens, complete=complete, last=last,
-            visible_from=last.masked_fill(~complete, NOT_VISIBLE), first_real=first_real, mask=mask,
-            n_real_upto=mask.long().cumsum(-1),
+            keys=pool_keys[:, keep], tokens=tokens, visible_from=last.masked_fill(~complete, NOT_VISIBLE),
+            visible_to=None, first_real=first_real[:, None].expand(b, s), n_real_before=mask.new_zeros(b, s, dtype=torch.long),
+            mask=mask, n_real_upto=mask.long().cumsum(-1),
+        )  # fmt: skip
+
+    def document_pools(
+        self, keys: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, documents: Documents
+    ) -> Pools:
+        """Step 1 for a packed row (`documents`: its boundaries, layers/documents.py), as tensor code whose shapes do
+        not depend on the packing (a compiled layer traces it once): `keys` from `keys()` ([b, S, d] each), `mask`
+        [b, S] its real tokens. Each document's pools start at its first real token, as if it were alone. The row's
+        complete pools fill the first of S // kpool slots in row order (a document's are consecutive); a slot's
+        pool is a candidate only for the queries of its document that see its last token (`visible_from`,
+        `visible_to`). Incomplete pools are no query's candidates and take no slot (the whole-row `pools` keeps
+        HF's array, whose length decides `topk`'s order of exact ties; `select` ranks ties by ascending slot here)."""
+        k, gate_scores = keys
+        b, s, _ = k.shape
+        device, kpool = k.device, self.kpool
+        rows = torch.arange(s, device=device)
+        starts = rows - documents.positions.to(device)  # [S]: each position's document's first token
+        ids = documents.ids.to(device)
+        ends = torch.searchsorted(ids, ids, right=True)  # [S]: ... and its end (ids ascend along the row)
+        # the first real token at or after each position (s: none), then at each document's start
+        next_real = torch.where(mask, rows, s).flip(-1).cummin(-1).values.flip(-1)  # [b, S]
+        first_real = next_real[:, starts].minimum(ends)  # [b, S]: a document without real tokens: its end
+        n_real_upto = mask.long().cumsum(-1)  # [b, S]
+
+        def real_upto(
+            position: torch.Tensor,
+        ) -> torch.Tensor:  # [b, S]: real keys at positions <= `position` (-1: 0)
+            position = position.expand(b, s)
+            return torch.where(position >= 0, n_real_upto.gather(-1, position.clamp(min=0)), 0)
+
+        # a position's pool in its document, and whether that pool is complete (inside the document, all real)
+        offset = rows - first_real  # [b, S]: negative before the document's first real token
+        pool_last = rows + (kpool - 1) - offset.remainder(kpool)
+        inside = pool_last < ends
+        filled = real_upto(pool_last.clamp(max=s - 1)) - real_upto(pool_last - kpool) == kpool
+        closes_pool = (
+            (offset >= 0) & (pool_last == rows) & inside & filled
+        )  # [b, S]: the last token of a complete pool
+        n_pools = s // kpool  # complete pools are disjoint runs of kpool tokens
+        slot = torch.where(closes_pool, closes_pool.long().cumsum(-1) - 1, n_pools)
+        last = torch.full((b, n_pools + 1), -1, dtype=torch.long, device=device)
+        last = last.scatter_reduce(1, slot, rows.expand(b, s), reduce="amax")[
+            :, :n_pools
+        ]  # [b, P], -1: empty slot
+        complete = last >= 0
+        tokens = (last[..., None] - (kpool - 1) + torch.arange(kpool, device=device)).masked_fill(
+            ~complete[..., None], -1
+        )
+        batch = torch.arange(b, device=device)[:, None, None]
+        safe = tokens.clamp(min=0)
+        # the whole-row expression on complete pools (every token real: no mask, no NaN)
+        logits = gate_scores[batch, safe].float() + self.index_kpool_compress_ape.float()[None, None]
+        weights = logits.softmax(dim=2).to(k.dtype)
+        return Pools(
+            keys=(weights * k[batch, safe]).sum(dim=2), tokens=tokens,
+            visible_from=last.masked_fill(~complete, NOT_VISIBLE),
+            visible_to=ends[last.clamp(min=0)].masked_fill(~complete, NOT_VISIBLE),
+            first_real=first_real, n_real_before=real_upto(starts - 1), mask=mask, n_real_upto=n_real_upto,
         )  # fmt: skip
 
     def block_bytes(self, device: torch.device) -> int:
@@ -177,8 +243,14 @@ class DsaIndexer(nn.Module):
         return torch.matmul(head_weights.unsqueeze(-2), scores).squeeze(-2)
 
     def candidates(self, pools: Pools, positions: torch.Tensor) -> torch.Tensor:
-        """[b, r, P] bool: complete pools whose last token the queries at key positions `positions` [r] see."""
-        return pools.visible_from[:, None, :] <= positions[None, :, None]
+        """[b, r, P] bool: complete pools whose last token the queries at key positions `positions` [r] see (in
+        their document)."""
+        seen = pools.visible_from[:, None, :] <= positions[None, :, None]
+        return (
+            seen
+            if pools.visible_to is None
+            else seen & (positions[None, :, None] < pools.visible_to[:, None, :])
+        )
 
     @torch.no_grad()
     def select(
@@ -213,15 +285,20 @@ class DsaIndexer(nn.Module):
                 q, head_weights = self.queries(x[:, start:end], q_resid[:, start:end])
                 chosen = top_pools_fused(
                     q, head_weights, pools.keys, pools.visible_from, query_offset + start, n_select,
-                    self.head_dim**-0.5,
+                    self.head_dim**-0.5, pools.visible_to,
                 )  # fmt: skip
                 chosen_ok = chosen >= 0  # [b, r, K]
-            else:  # HF's expression
+            elif pools.visible_to is None:  # HF's expression
                 index_scores = self.scores(x[:, start:end], q_resid[:, start:end], pools.keys)
                 candidates = self.candidates(pools, positions)  # [b, r, P]
                 index_scores = index_scores.masked_fill(~candidates, torch.finfo(index_scores.dtype).min)
                 chosen = index_scores.topk(n_select, dim=-1).indices  # [b, r, K]
                 chosen_ok = candidates.gather(-1, chosen)
+            else:  # documents: HF's scores, exact ties ranked by ascending pool (the kernel's order)
+                index_scores = self.scores(x[:, start:end], q_resid[:, start:end], pools.keys)
+                chosen, chosen_ok = top_pools_stable(
+                    index_scores, self.candidates(pools, positions), n_select
+                )
             chosen = chosen.long().masked_fill(
                 ~chosen_ok, 0
             )  # a slot without a candidate: pool 0, not selected
@@ -240,10 +317,11 @@ class DsaIndexer(nn.Module):
     def _tail(self, pools: Pools, positions: torch.Tensor) -> torch.Tensor:
         """Token indices [b, r, kpool - 1] of each query's visible tokens after its last complete pool."""
         kv = pools.mask.shape[1]
-        n_visible = pools.n_real_upto[:, positions]  # [b, r]: real keys at positions <= the query's
+        # [b, r]: real keys of the query's document at positions <= the query's
+        n_visible = pools.n_real_upto[:, positions] - pools.n_real_before[:, positions]
         n_tail = n_visible.remainder(self.kpool)
         offsets = torch.arange(self.kpool - 1, device=positions.device)
-        start = pools.first_real[:, None] + n_visible - n_tail
+        start = pools.first_real[:, positions] + n_visible - n_tail
         tail = start[..., None] + offsets  # [b, r, kpool - 1]
         ok = (offsets[None, None, :] < n_tail[..., None]) & (tail < kv)
         safe = tail.clamp(0, kv - 1)

@@ -46,38 +46,47 @@ IMPLEMENTATIONS: dict[str, Callable[..., torch.Tensor]] = {}
 
 
 def check_contract(
-    q: torch.Tensor, head_weights: torch.Tensor, pool_keys: torch.Tensor, visible_from: torch.Tensor
-) -> None:
+    q: torch.Tensor, head_weights: torch.Tensor, pool_keys: torch.Tensor, visible_from: torch.Tensor,
+    visible_to: torch.Tensor | None = None,
+) -> None:  # fmt: skip
     b, rows, heads, dim = q.shape
     expect_shape("indexer head weights", head_weights, (b, rows, heads))
     expect_shape("indexer pool keys", pool_keys, (b, pool_keys.shape[1], dim))
     expect_shape("indexer visible_from", visible_from, (b, pool_keys.shape[1]))
-    if head_weights.dtype != torch.float32 or visible_from.dtype != torch.int64:
+    if visible_to is not None:
+        expect_shape("indexer visible_to", visible_to, (b, pool_keys.shape[1]))
+    if (
+        head_weights.dtype != torch.float32
+        or visible_from.dtype != torch.int64
+        or (visible_to is not None and visible_to.dtype != torch.int64)
+    ):
         raise ValueError(
             f"indexer top-k: head weights {head_weights.dtype} and visible_from {visible_from.dtype}, the kernel's "
-            f"contract needs float32 and int64"
+            f"contract needs float32 and int64 (visible_to too)"
         )
 
 
 @torch.library.custom_op("glm53::indexer_topk_triton", mutates_args=())
 def _triton_op(
     q: torch.Tensor, head_weights: torch.Tensor, pool_keys: torch.Tensor, visible_from: torch.Tensor,
-    query_offset: int, n_select: int, scale: float,
+    query_offset: int, n_select: int, scale: float, visible_to: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     if "triton" not in IMPLEMENTATIONS:
         raise RuntimeError(
             "glm53::indexer_topk_triton: the kernel is not loaded; import glm53_ds.layers.indexer_topk_triton first "
             "(DsaIndexer.select does)"
         )
-    return IMPLEMENTATIONS["triton"](q, head_weights, pool_keys, visible_from, query_offset, n_select, scale)
+    return IMPLEMENTATIONS["triton"](
+        q, head_weights, pool_keys, visible_from, query_offset, n_select, scale, visible_to
+    )
 
 
 @_triton_op.register_fake
 def _(
     q: torch.Tensor, head_weights: torch.Tensor, pool_keys: torch.Tensor, visible_from: torch.Tensor,
-    query_offset: int, n_select: int, scale: float,
+    query_offset: int, n_select: int, scale: float, visible_to: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    check_contract(q, head_weights, pool_keys, visible_from)
+    check_contract(q, head_weights, pool_keys, visible_from, visible_to)
     return q.new_empty((*q.shape[:2], n_select), dtype=torch.int32)
 
 
@@ -86,12 +95,32 @@ fused_kernels.register(fused_kernels.FusedKernel("DSA indexer top-k (Triton)", "
 
 def top_pools_fused(
     q: torch.Tensor, head_weights: torch.Tensor, pool_keys: torch.Tensor, visible_from: torch.Tensor,
-    query_offset: int, n_select: int, scale: float,
+    query_offset: int, n_select: int, scale: float, visible_to: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The kernel: queries q [b, r, Hi, d] at key positions `query_offset + i`, their head weights [b, r, Hi] fp32,
-    pool keys [b, P, d] (q's dtype), visible_from [b, P] int64 -> chosen pools [b, r, n_select] int32, equal to
-    `top_pools` of the same scores."""
-    check_contract(q, head_weights, pool_keys, visible_from)
+    pool keys [b, P, d] (q's dtype), visible_from [b, P] int64, visible_to [b, P] int64 or None (packed documents:
+    a pool is a candidate for positions in [visible_from, visible_to); visible_to nondecreasing) -> chosen pools
+    [b, r, n_select] int32, equal to `top_pools_stable` of the same scores."""
+    check_contract(q, head_weights, pool_keys, visible_from, visible_to)
     return _triton_op(
-        q, head_weights, pool_keys, visible_from, int(query_offset), int(n_select), float(scale)
+        q, head_weights, pool_keys, visible_from, int(query_offset), int(n_select), float(scale), visible_to
     )
+
+
+def order_keys(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """The kernel's int64 order keys of fp32 scores [..., P] (`indexer_topk_triton._order_key`): the score's bits
+    made order-preserving in the high half, `LOW_BITS - pool` in the low half (no two equal: a larger key is a
+    higher score or, at an equal score, a lower pool), non-candidates NO_CANDIDATE."""
+    bits = torch.where(scores == 0, 0, scores.float().view(torch.int32))  # -0.0 as +0.0
+    ordered = (bits ^ ((bits >> 31) & LOW_BITS)).long()
+    pools = torch.arange(scores.shape[-1], device=scores.device)
+    return ((ordered << 32) + (LOW_BITS - pools)).masked_fill(~candidates, NO_CANDIDATE)
+
+
+def top_pools_stable(
+    scores: torch.Tensor, candidates: torch.Tensor, n_select: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's choice in torch: scores [b, r, P] fp32, candidates [b, r, P] bool -> (chosen pools [b, r, K]
+    int64, score descending and equal scores by ascending pool; whether each is a candidate [b, r, K])."""
+    keys = order_keys(scores, candidates).topk(n_select, dim=-1).values
+    return LOW_BITS - (keys & LOW_BITS), keys != NO_CANDIDATE

@@ -1,7 +1,8 @@
 """The DSA indexer's score and top-K as one streaming Triton kernel (contract and order: `indexer_topk.py`).
 
-    q [b, r, Hi, d], head weights [b, r, Hi] fp32, pool keys [b, P, d], visible_from [b, P] int64
-    -> chosen pools [b, r, K] int32, score descending, equal scores by ascending pool, -1 for no candidate
+    q [b, r, Hi, d], head weights [b, r, Hi] fp32, pool keys [b, P, d], visible_from [b, P] int64, visible_to
+    [b, P] int64 or None -> chosen pools [b, r, K] int32, score descending, equal scores by ascending pool, -1 for
+    no candidate
 
 One program per (block of `BLOCK_M` queries, sequence). Its queries' heads are the rows of one product: q as
 [BLOCK_M x Hi, d] (64 rows at the released 32 heads: the M of one Hopper warpgroup MMA), held for the whole sweep.
@@ -16,7 +17,9 @@ Over the pools, `K2` at a time (K2: K rounded up to a power of 2, at least 16), 
     and one bitonic merge sorts it descending (the bitonic top-k of Shanbhag et al.): O(K2 log^2 K2) compares per
     K2 pools, in registers.
 The sweep stops at the last pool a block's last query may see (`bound`, from the pools' visibility: causal blocks
-score about half the pools). Nothing of size [r, P] touches memory: the program writes its [BLOCK_M, K] pools once.
+score about half the pools) and, in a packed row (`visible_to`: a pool is a candidate only before its document's
+end), starts at the first pool whose document reaches the block's first query (`first`): a block scores the pools
+of its own documents only. Nothing of size [r, P] touches memory: the program writes its [BLOCK_M, K] pools once.
 
 The kernel's choice equals the torch path's wherever no two candidates' scores tie (`indexer_topk.py` on ties) and
 the two compute the same fp32 order: the scores differ only in the order of the fp32 sums over d and over the heads
@@ -51,15 +54,16 @@ def _order_key(score, pool):
 
 @triton.jit
 def _indexer_topk_kernel(
-    q_ptr, w_ptr, k_ptr, vis_ptr, bound_ptr, out_ptr,
+    q_ptr, w_ptr, k_ptr, vis_ptr, vis_to_ptr, first_ptr, bound_ptr, out_ptr,
     L, P, H, D, K, query_offset, scale, n_blocks,
     s_qb, s_ql, s_qh, s_qd,
     s_wb, s_wl, s_wh,
     s_kb, s_kp, s_kd,
     s_vb, s_vp,
+    s_tb, s_tp,
     s_ob, s_ol, s_ok,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-    K2: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    K2: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, DOCUMENTS: tl.constexpr,
 ):  # fmt: skip
     block = tl.program_id(0)
     bi = tl.program_id(1).to(tl.int64)
@@ -87,7 +91,8 @@ def _indexer_topk_kernel(
     reach = tl.load(
         bound_ptr + bi * n_blocks + block
     )  # pools up to the last candidate of the block's last query
-    for p0 in range(0, reach, K2):
+    first = tl.load(first_ptr + bi * n_blocks + block)  # from the first pool of the block's first document
+    for p0 in range(first, reach, K2):
         keys = tl.full([BLOCK_M, N_SUB, BLOCK_P], _NO_CANDIDATE, tl.int64)
         for j in range(
             N_SUB
@@ -102,9 +107,11 @@ def _indexer_topk_kernel(
             s = tl.maximum(s * scale, 0.0) * w[:, None]
             score = tl.sum(tl.reshape(s, [BLOCK_M, BLOCK_H, BLOCK_P]), axis=1)  # [BLOCK_M, BLOCK_P]
             vis = tl.load(vis_ptr + bi * s_vb + offs_p * s_vp, mask=mask_p, other=_NOT_VISIBLE)
-            sub_keys = tl.where(
-                vis[None, :] <= positions[:, None], _order_key(score, offs_p[None, :]), _NO_CANDIDATE
-            )
+            seen = vis[None, :] <= positions[:, None]
+            if DOCUMENTS:  # and before the end of the pool's document
+                vis_to = tl.load(vis_to_ptr + bi * s_tb + offs_p * s_tp, mask=mask_p, other=0)
+                seen = seen & (positions[:, None] < vis_to[None, :])
+            sub_keys = tl.where(seen, _order_key(score, offs_p[None, :]), _NO_CANDIDATE)
             keys = tl.where((sub == j)[None, :, None], sub_keys[:, None, :], keys)
         keys = tl.reshape(keys, [BLOCK_M, K2])
         beats = tl.max(tl.max((keys > tl.min(top, 1)[:, None]).to(tl.int32), 1), 0)
@@ -140,9 +147,16 @@ def reach(visible_from: torch.Tensor, last_positions: torch.Tensor) -> torch.Ten
     return torch.searchsorted(earliest_after, positions, right=True).to(torch.int32)
 
 
+def first_pools(visible_to: torch.Tensor, first_positions: torch.Tensor) -> torch.Tensor:
+    """[b, n] int32: per sequence and query block, the first pool a query of the block may see: the first whose
+    document ends after the block's first query (key position `first_positions` [n]; `visible_to` nondecreasing)."""
+    positions = first_positions[None, :].expand(visible_to.shape[0], -1).contiguous()
+    return torch.searchsorted(visible_to.contiguous(), positions, right=True).to(torch.int32)
+
+
 def indexer_topk(
     q: torch.Tensor, head_weights: torch.Tensor, pool_keys: torch.Tensor, visible_from: torch.Tensor,
-    query_offset: int, n_select: int, scale: float,
+    query_offset: int, n_select: int, scale: float, visible_to: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     b, rows, heads, dim = q.shape
     n_pools = pool_keys.shape[1]
@@ -160,12 +174,18 @@ def indexer_topk(
     n_blocks = triton.cdiv(rows, block_m)
     last = torch.arange(n_blocks, device=q.device) * block_m + block_m - 1
     bound = reach(visible_from, last.clamp(max=rows - 1) + query_offset)
+    documents = visible_to is not None
+    if visible_to is None:
+        visible_to, first = visible_from, torch.zeros_like(bound)  # (not read)
+    else:
+        first = first_pools(visible_to, last - (block_m - 1) + query_offset)
     _indexer_topk_kernel[(n_blocks, b)](
-        q, head_weights, pool_keys, visible_from, bound, out,
+        q, head_weights, pool_keys, visible_from, visible_to, first, bound, out,
         rows, n_pools, heads, dim, n_select, query_offset, scale, n_blocks,
-        *q.stride(), *head_weights.stride(), *pool_keys.stride(), *visible_from.stride(), *out.stride(),
+        *q.stride(), *head_weights.stride(), *pool_keys.stride(), *visible_from.stride(), *visible_to.stride(),
+        *out.stride(),
         BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_P=block_p, K2=k2, UPCAST=upcast,
-        PRECISION=precision, num_warps=warps,
+        PRECISION=precision, DOCUMENTS=documents, num_warps=warps,
     )  # fmt: skip
     return out
 

@@ -125,7 +125,6 @@ class KimiDeltaAttention(nn.Module):
     # varlen kernel, or tensor code over each token's document), instead of running once per document; it reads
     # only the documents' tensors, so a compiled layer calls it inside its graph (transformer_layer.py)
     accepts_documents = True
-    traces_documents = True
 
     def forward(
         self,

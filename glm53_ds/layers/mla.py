@@ -6,7 +6,10 @@ to the token set its DSA indexer chose (or, for an `indexer_types == "shared"` l
 layer chose, passed in through the transformer block's `context`). Attention is exact masked softmax attention
 as HF's eager path; a query whose set is empty (padding rows) averages all values as HF does.
 
-Packed documents: the indexer and the attention run once per document (pools start at its first token). Under
+Packed documents (`Documents`) are tensor code over the whole row, one compiled graph for every packing: each
+document's pools start at its first real token and are candidates only for its own queries
+(`DsaIndexer.document_pools`); selections hold row positions, so the attention reads the row's latent; a blind query
+averages its own document's values (`blind_rows_by_document`). Under
 sequence parallelism (`SparseMLA.forward`, parallel/sequence.py) the indexer keys are gathered and each rank selects
 for its own queries. The sparse forms then split the attention by query, not by head: a rank's queries, with all
 heads, read their selected rows of the whole row's latent, which is gathered (R values per token; the latent's
@@ -38,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 from .. import backends
 from ..parallel.sequence import SequenceParallel
 from ..transformer_config import Glm53TransformerConfig
+from .blind_rows import blind_rows
 from .documents import Documents
 from .dsa_indexer import DsaIndexer, Pools, Selection, kl_loss
 from .forward_record import current_record
@@ -46,23 +50,10 @@ from .lora import merged_weight
 from .norm import RMSNorm
 from .sparse_attention import (
     absorb_query,
-    blind_rows,
     expand_output,
     pooled_attention_mass,
     sparse_latent_attention,
 )
-
-
-def local_documents(
-    bounds: tuple[tuple[int, int], ...], start: int, length: int
-) -> list[tuple[int, int, slice]]:
-    """The documents [a, e) of a row (bounds in row positions) that hold some of the queries [start, start +
-    length) (a rank's under sequence parallelism; all of them without), each with those queries' local rows."""
-    return [
-        (a, e, slice(max(a, start) - start, min(e, start + length) - start))
-        for a, e in bounds
-        if max(a, start) < min(e, start + length)
-    ]
 
 
 def topk_to_mask(topk_tokens: torch.Tensor, kv_length: int) -> torch.Tensor:
@@ -205,8 +196,8 @@ class SparseMLA(nn.Module):
         self.passes_selection = not self.reuses_selection and i + 1 < len(types) and types[i + 1] == "shared"
         self.sequence = SequenceParallel.of(pg_collection)  # None without sequence parallelism
 
-    # packed documents: this module runs its indexer and attention once per document itself (each document's
-    # pools start at its first token, and its queries see only its keys)
+    # packed documents: this module keeps each document to itself (its pools start at its first token, its queries
+    # see only its keys), as tensor code over the documents' tensors
     accepts_documents = True
 
     def forward(
@@ -222,8 +213,8 @@ class SparseMLA(nn.Module):
         documents: packed documents of a batch-1 row; `trailing_padding`: the caller knows on the host that the mask
         is exactly the last `trailing_padding` positions of every document (an MTP depth's), else None.
 
-        Returns ([s, b, D], the selection [b, S, W] to hand to the next layer, or None). Selections hold
-        document-local token indices (a document's first token is 0).
+        Returns ([s, b, D], the selection [b, S, W] to hand to the next layer, or None). Selections hold row
+        positions (in a packed row, of the query's own document).
 
         Under sequence parallelism (parallel/sequence.py) s is this rank's S/N tokens and `documents` are the whole
         row's: projections run on the local tokens; the indexer scores the local queries against the pools of
@@ -242,7 +233,6 @@ class SparseMLA(nn.Module):
         start = 0 if sp is None else sp.rank * s  # this rank's first token in the row
         length = s if sp is None else s * sp.size
         key_mask = mask if sp is None else sp.gather_tokens(mask)  # [b, S]
-        bounds = ((0, length),) if documents is None else documents.bounds
         # Known on the host: without padding (no mask), a query sees nothing only when the tail is not selected
         # (the first kpool - 1 tokens of a document precede its first complete pool).
         all_real = attention_mask is None
@@ -259,24 +249,21 @@ class SparseMLA(nn.Module):
             and self.training
             and torch.is_grad_enabled()
         )
-        indexed: list[tuple[Pools, Selection, slice, slice]] = []  # per document, for the indexer loss
+        indexed: tuple[Pools, Selection] | None = None  # for the indexer loss
         if self.indexer is not None:
             # detached inputs: the indexer loss trains only the indexer, and the LM loss never does
             with torch.set_grad_enabled(train_indexer):
                 keys = self.indexer.keys(x.detach())
                 if sp is not None:
                     keys = (sp.gather_tokens(keys[0]), sp.gather_tokens(keys[1]))  # [b, S, d] each
-            parts = []
-            for a, e, rows in local_documents(bounds, start, s):
-                with torch.set_grad_enabled(train_indexer):
-                    real = None if pad_known is None else max(0, e - a - pad_known)
-                    pools = self.indexer.pools((keys[0][:, a:e], keys[1][:, a:e]), key_mask[:, a:e], real)
-                selection = self.indexer.select(
-                    x[:, rows], q_resid[:, rows], mask[:, rows], pools, query_offset=start + rows.start - a
-                )
-                parts.append(selection.tokens)
-                indexed.append((pools, selection, rows, slice(a, e)))
-            topk = torch.cat(parts, dim=1)  # [b, s, W]: this rank's queries
+                if documents is None:
+                    real = None if pad_known is None else max(0, length - pad_known)
+                    pools = self.indexer.pools(keys, key_mask, real)
+                else:  # tensor code over the row: one graph for every packing
+                    pools = self.indexer.document_pools(keys, key_mask, documents)
+            selection = self.indexer.select(x, q_resid, mask, pools, query_offset=start)
+            topk = selection.tokens  # [b, s, W]: this rank's queries, row positions
+            indexed = (pools, selection)
         elif shared_topk is None:
             raise ValueError(
                 f"layer {self.layer_index}: a 'shared' DSA layer needs the top-k selection of the previous full layer"
@@ -294,55 +281,32 @@ class SparseMLA(nn.Module):
         )  # [H, dq, R], [H, dv, R]
         q_lat = keys_lat = None
         if impl in ("dense", "eager"):
-            out = self._dense(q, latent, topk, bounds, dropout, impl, blind_possible)  # [b, s, H, dv]
+            out = self._dense(q, latent, topk, documents, dropout, impl, blind_possible)  # [b, s, H, dv]
         else:
             q_lat = absorb_query(q, w_uk)  # [b, s, H, R]
             # the keys: the whole row's latent (under SP gathered: every rank's queries may select any token)
             keys_lat = latent if sp is None else sp.gather_tokens(latent)  # [b, S, R]
-            o_lat = torch.cat(
-                [
-                    sparse_latent_attention(
-                        q_lat[:, rows],
-                        keys_lat[:, a:e],
-                        topk[:, rows],
-                        self.scaling,
-                        dropout,
-                        impl,
-                        blind_possible=blind_possible,
-                    )
-                    for a, e, rows in local_documents(bounds, start, s)
-                ],
-                dim=1,
-            )  # [b, s, H, R]
+            o_lat = sparse_latent_attention(
+                q_lat, keys_lat, topk, self.scaling, dropout, impl, blind_possible=blind_possible,
+                document_ids=None if documents is None else documents.ids, query_offset=start,
+            )  # fmt: skip  # [b, s, H, R]
             out = expand_output(o_lat, w_uv)  # [b, s, H, dv]
 
-        terms = []
-        if train_indexer:
+        if train_indexer and indexed is not None and (record := current_record()) is not None:
+            assert self.indexer is not None
+            pools, selection = indexed
             # the target: the main attention of this rank's queries, all heads (the sparse forms' own q_lat; the
-            # dense path absorbs it now), over their document's keys (under SP: of the whole row's latent)
+            # dense path absorbs it now), over the row's keys (under SP: the whole row's latent)
             q_lat_target = absorb_query(q.detach(), w_uk.detach()) if q_lat is None else q_lat.detach()
             if keys_lat is None:  # the dense path gathers no latent: once here
                 keys_lat = latent if sp is None else sp.gather_tokens(latent.detach())
-            keys_target = keys_lat.detach()  # [b, S, R]
-            for pools, selection, rows, document in indexed:
-                assert self.indexer is not None
-                # in blocks of the indexer's own budget (1 GiB on a GPU): the reference's 4 MiB hold one query's
-                # rows at the released width, a loop of one iteration per query
-                target = pooled_attention_mass(
-                    q_lat_target[:, rows], keys_target[:, document], selection.tokens,
-                    selection.pools.shape[-1], self.indexer.kpool, self.scaling,
-                    block_bytes=self.indexer.block_bytes(q_lat_target.device),
-                )  # fmt: skip
-                terms.append(
-                    self.indexer.kl_terms(
-                        x[:, rows].detach(), q_resid[:, rows].detach(), pools, selection, target
-                    )
-                )
-        if terms and (record := current_record()) is not None:  # the indexer loss leaves as a value
-            total, queries = (
-                torch.stack([t[0] for t in terms]).sum(),
-                torch.stack([t[1] for t in terms]).sum(),
-            )
+            # in blocks of the indexer's own budget (1 GiB on a GPU): the reference's 4 MiB hold one query's rows at
+            # the released width, a loop of one iteration per query
+            target = pooled_attention_mass(
+                q_lat_target, keys_lat.detach(), selection.tokens, selection.pools.shape[-1], self.indexer.kpool,
+                self.scaling, block_bytes=self.indexer.block_bytes(q_lat_target.device),
+            )  # fmt: skip
+            total, queries = self.indexer.kl_terms(x.detach(), q_resid.detach(), pools, selection, target)
             # a mean over the row's queries: under SP this rank's KL sum over all SP ranks' query count, so the
             # shards' losses (and gradients, summed over SP as every replicated one) add up to the row's
             record.indexer_losses.append(kl_loss(total, queries if sp is None else sp.sum_counts(queries)))
@@ -354,15 +318,15 @@ class SparseMLA(nn.Module):
         q: torch.Tensor,
         latent: torch.Tensor,
         topk: torch.Tensor,
-        bounds: tuple[tuple[int, int], ...],
+        documents: Documents | None,
         dropout: float,
         impl: str,
         blind_possible: bool = True,
     ) -> torch.Tensor:
         """Today's dense path (`attention_impl` dense / eager), kept for parity: per-head keys and values from
         kv_b, masked attention over all L keys of each document. q [b, s, H, dq], latent [b, s, R], topk [b, s, W]
-        -> [b, s, H, dv]. Under SP: the selections gathered, q, k, v moved to all S tokens of H/N heads and the
-        output back by all-to-alls."""
+        (row positions) -> [b, s, H, dv]. Under SP: the selections gathered, q, k, v moved to all S tokens of H/N
+        heads and the output back by all-to-alls."""
         b, s = latent.shape[:2]
         kv = self.kv_b_proj(latent).view(b, s, self.num_heads, self.qk_head_dim + self.v_head_dim)
         k, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)  # [b, s, H, dq], [b, s, H, dv]
@@ -371,20 +335,34 @@ class SparseMLA(nn.Module):
             q, k, v = sp.seq_to_heads(q), sp.seq_to_heads(k), sp.seq_to_heads(v)  # [b, S, H/N, d]
             topk = sp.gather_tokens(topk)  # [b, S, W]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, h, S, d]
-        out = torch.cat(
-            [
-                dense_attention(
-                    q[:, :, a:e],
-                    k[:, :, a:e],
-                    v[:, :, a:e],
-                    topk[:, a:e],
-                    self.scaling,
-                    dropout,
-                    impl,
-                    blind_possible=blind_possible,
-                )
-                for a, e in bounds
-            ],
-            dim=1,
-        )  # [b, S, h, dv]
+        args = (self.scaling, dropout, impl, blind_possible)
+        if documents is None:
+            out = dense_attention(q, k, v, topk, *args)
+        else:
+            out = _dense_over_documents(q, k, v, topk, documents.bounds, *args)
         return out if sp is None else sp.heads_to_seq(out)  # [b, s, H, dv]
+
+
+@torch.compiler.disable
+def _dense_over_documents(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk: torch.Tensor, bounds: tuple[tuple[int, int], ...],
+    scaling: float, dropout: float, impl: str, blind_possible: bool,
+) -> torch.Tensor:  # fmt: skip
+    """`dense_attention` once per document (the parity path; a compiled layer leaves this loop over host boundaries
+    eager): q, k [b, h, S, dq], v [b, h, S, dv], topk [b, S, W] in row positions -> [b, S, h, dv]."""
+    parts = []
+    for a, e in bounds:
+        local = torch.where(topk[:, a:e] >= 0, topk[:, a:e] - a, -1)  # the document's own positions
+        parts.append(
+            dense_attention(
+                q[:, :, a:e],
+                k[:, :, a:e],
+                v[:, :, a:e],
+                local,
+                scaling,
+                dropout,
+                impl,
+                blind_possible=blind_possible,
+            )  # fmt: skip
+        )
+    return torch.cat(parts, dim=1)

@@ -27,13 +27,12 @@ kept for parity).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from . import sparse_attention_op
+from .blind_rows import blind_rows, blind_rows_by_document
 from .sparse_attention_op import sparse_attention_reference
 
 # The torch reference's block of query rows keeps its gathered latents [b, rows, W, R] and its [b, rows, h, W] fp32
@@ -193,93 +192,6 @@ def sparse_reference(
     return torch.cat(parts, dim=1)
 
 
-class _BlindRows(torch.autograd.Function):
-    """HF's value and gradient on blind rows in closed form, for every row at once (no host sync, no compaction).
-
-    A blind row r sees p = softmax(x - x.detach()) = 1/L over all L keys: its value is the mean v̄ of the values.
-    Its gradient is the softmax Jacobian at the uniform point, dx_j = (g · (v_j - v̄)) / L with x_j = q · k_j · c:
-      dq_r = c · C g_r,                   C = (1/L) Σ_j k_j (v_j - v̄)^T     (the keys' and values' covariance)
-      dk_j = (c / L) · N (v_j - v̄),       N = Σ_r q_r g_r^T over blind rows
-      dv_j = (1 / L) Σ_r g_r
-    C and N are [d, dv] per (batch, key head): the backward costs O((s + L) · heads · d · dv), at least in fp32."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        out: torch.Tensor,
-        blind: torch.Tensor,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor | None,
-        scaling: float,
-    ) -> torch.Tensor:
-        # values None: the keys are the values (the latent form), one input (torch.compile refuses the same
-        # tensor twice in an autograd.Function), its gradient the sum of both
-        ctx.shared = values is None
-        values = keys if values is None else values
-        ctx.save_for_backward(blind, q, keys, values)
-        ctx.scaling = scaling
-        mean = values.to(torch.promote_types(values.dtype, torch.float32)).mean(1, keepdim=True).to(out.dtype)
-        return torch.where(blind[:, :, None, None], mean, out)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        blind, q, keys, values = ctx.saved_tensors
-        c, length, heads = ctx.scaling, keys.shape[1], q.shape[2]
-        rows = blind[:, :, None, None]
-        dtype = torch.promote_types(q.dtype, torch.float32)
-        g = grad.to(dtype).masked_fill(~rows, 0.0)  # [b, s, h, dv]: the blind rows' gradient
-        k, v = keys.to(dtype), values.to(dtype)
-        v_centered = v - v.mean(1, keepdim=True)  # [b, L, hk, dv]
-        d_q = d_k = d_v = None
-        if ctx.needs_input_grad[2]:
-            cov = torch.einsum("blhd,blhe->bhde", k, v_centered) / length  # [b, hk, d, dv]
-            d_q = (c * torch.einsum("bshe,bhde->bshd", g, cov.expand(-1, heads, -1, -1))).to(q.dtype)
-        if ctx.needs_input_grad[3]:
-            n = torch.einsum("bshd,bshe->bhde", q.to(dtype), g)  # [b, h, d, dv]
-            if keys.shape[2] != heads:  # keys shared by the heads
-                n = n.sum(1, keepdim=True)
-            d_k = (c / length * torch.einsum("bhde,blhe->blhd", n, v_centered)).to(keys.dtype)
-        if ctx.needs_input_grad[4] or (ctx.shared and ctx.needs_input_grad[3]):
-            total = g.sum(1, keepdim=True)  # [b, 1, h, dv]
-            if values.shape[2] != heads:
-                total = total.sum(2, keepdim=True)
-            d_v = (total / length).expand_as(values).to(values.dtype)
-        if ctx.shared:  # as autograd would sum the two uses' gradients
-            d_k, d_v = (None if d_k is None else d_k + d_v), None
-        return grad.masked_fill(rows, 0.0), None, d_q, d_k, d_v, None
-
-
-def blind_rows(
-    out: torch.Tensor,
-    blind: torch.Tensor,
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    scaling: float,
-    dropout: float,
-) -> torch.Tensor:
-    """`out` [b, s, h, dv] with the rows of queries allowed nothing (`blind` [b, s]) replaced by HF's value there:
-    with the mask finfo.min on every key, min + score == min, so the forward is the uniform average of all values,
-    while the gradient still flows to q and k through the add (the softmax Jacobian at the uniform point).
-    q [b, s, h, d], keys [b, L, h or 1, d], values [b, L, h or 1, dv] (the dense path's per-head k, v; the latent
-    form's latent for both). Without attention dropout: `_BlindRows`, closed form, no host sync. With dropout (its
-    mask is drawn per blind row): softmax(x - x.detach()) v on the blind rows found on the host (one sync)."""
-    if dropout == 0.0:
-        return _BlindRows.apply(out, blind, q, keys, None if values is keys else values, scaling)
-    if not blind.any():
-        return out
-    batch_index, query_index = blind.nonzero(as_tuple=True)  # sorted by batch element, then position
-    rows = []
-    for i in batch_index.unique().tolist():
-        queries = query_index[batch_index == i]
-        x = torch.matmul(q[i, queries].transpose(0, 1), keys[i].permute(1, 2, 0)) * scaling  # [h, n, L]
-        probs = F.softmax(x - x.detach(), dim=-1, dtype=_softmax_dtype(x)).to(q.dtype)
-        probs = F.dropout(probs, p=dropout, training=True)
-        rows.append(torch.matmul(probs, values[i].transpose(0, 1)).transpose(0, 1))  # [n, h, dv]
-    return out.index_put((batch_index, query_index), torch.cat(rows))
-
-
 def sparse_latent_attention(
     q_lat: torch.Tensor,
     latent: torch.Tensor,
@@ -289,9 +201,14 @@ def sparse_latent_attention(
     impl: str = "sparse",
     block_bytes: int = ATTENTION_BLOCK_BYTES,
     blind_possible: bool = True,
+    document_ids: torch.Tensor | None = None,
+    query_offset: int = 0,
 ) -> torch.Tensor:
     """The contract above: q_lat [b, L, h, R], latent [b, Lk, R], tokens [b, L, W] -> o_lat [b, L, h, R].
-    `impl`: sparse (torch reference) | triton (fused kernels; attention dropout needs the reference)."""
+    `impl`: sparse (torch reference) | triton (fused kernels; attention dropout needs the reference).
+    `document_ids` [Lk]: the keys of a packed row (b = 1) belong to documents (`Documents.ids`), and the queries
+    are keys `query_offset ...` of it; tokens select within a query's document, and a blind query averages its
+    document's values (`blind_rows_by_document`)."""
     if impl == "triton" and dropout == 0.0:
         from .sparse_attention_triton import sparse_attention_triton  # lazy: Triton reads TRITON_INTERPRET
 
@@ -300,8 +217,11 @@ def sparse_latent_attention(
         out = sparse_reference(q_lat, latent, tokens, scaling, dropout, block_bytes)
     if not blind_possible:  # the caller knows on the host that every query row selects a token
         return out
+    blind = (tokens < 0).all(-1)
+    if document_ids is not None:  # a blind query averages its own document's values
+        return blind_rows_by_document(out, blind, q_lat, latent, document_ids, query_offset, scaling, dropout)
     keys = latent.unsqueeze(2)  # [b, L, 1, R]: K = V = the latent, shared by the heads
-    return blind_rows(out, (tokens < 0).all(-1), q_lat, keys, keys, scaling, dropout)
+    return blind_rows(out, blind, q_lat, keys, keys, scaling, dropout)
 
 
 @torch.no_grad()

@@ -163,3 +163,61 @@ def test_the_fake_gives_the_contract_shape_on_meta():
         indexer_topk.check_contract(
             q, torch.empty(2, 5, 3), torch.empty(2, 9, 16), torch.empty(2, 8, dtype=torch.int64)
         )
+
+
+def _selected_sets(tokens: torch.Tensor) -> list[list[frozenset[int]]]:
+    return [[frozenset(t for t in row.tolist() if t >= 0) for row in seq] for seq in tokens]
+
+
+@pytest.mark.parametrize("offset, padded", [(0, False), (17, True)])
+def test_packed_documents_select_as_each_document_alone(indexer, offset, padded, monkeypatch):
+    """A packed row's pools (`document_pools`: tensor code over the row) select, for every query, the tokens its
+    document alone selects (HF's per-document arrays), through the torch path and the kernel (which agree slot for
+    slot: both rank exact ties by ascending pool), also for queries that are a later part of the row (`offset`, as
+    under sequence parallelism) and with each document's last position padding (an MTP depth). Compared on the
+    queries whose candidates tie nowhere; control: the whole row's pools let queries select across documents."""
+    from glm53_ds.layers.documents import Documents
+
+    lengths = [13, 3, 1, 22, 9, 2, 30]
+    s, hidden = sum(lengths), indexer.wk.weight.shape[1]
+    g = torch.Generator().manual_seed(3 + offset)
+    x = torch.randn(1, s, hidden, generator=g)
+    q_resid = torch.randn(1, s, indexer.wq_b.weight.shape[1], generator=g)
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    documents = Documents.from_cu_seqlens(cu, s)
+    mask = torch.ones(1, s, dtype=torch.bool)
+    if padded:
+        mask[0, cu[1:] - 1] = False
+    queries = slice(offset, s)
+    with torch.no_grad():
+        keys = indexer.keys(x)
+        pools = indexer.document_pools(keys, mask, documents)
+        args = (x[:, queries], q_resid[:, queries], mask[:, queries], pools, offset)
+        monkeypatch.setattr(indexer, "indexer_impl", "torch")
+        torch_path = indexer.select(*args)
+        whole_row = indexer.select(*args[:3], indexer.pools(keys, mask), offset)
+        monkeypatch.setattr(indexer, "indexer_impl", "triton")
+        kernel = indexer.select(*args)
+        monkeypatch.setattr(indexer, "indexer_impl", "torch")
+        alone, tied = [], []
+        for a, e in documents.bounds:
+            doc_pools = indexer.pools((keys[0][:, a:e], keys[1][:, a:e]), mask[:, a:e])
+            selection = indexer.select(x[:, a:e], q_resid[:, a:e], mask[:, a:e], doc_pools)
+            alone.append(torch.where(selection.tokens >= 0, selection.tokens + a, -1))
+            scores = indexer.scores(x[:, a:e], q_resid[:, a:e], doc_pools.keys)
+            candidates = indexer.candidates(doc_pools, torch.arange(e - a))
+            tied += [
+                len(set(r[c].tolist())) < int(c.sum()) for r, c in zip(scores[0], candidates[0], strict=True)
+            ]
+    alone_tokens = torch.cat(alone, dim=1)[:, queries]
+    tie_free = [not t for t in tied[offset:]]
+    assert sum(tie_free) > 20 and not all(tie_free)  # both kinds of queries are here
+    assert torch.equal(kernel.tokens, torch_path.tokens) and torch.equal(kernel.pools_ok, torch_path.pools_ok)
+    got, expected = _selected_sets(torch_path.tokens)[0], _selected_sets(alone_tokens)[0]
+    assert [g for g, ok in zip(got, tie_free, strict=True) if ok] == [
+        e for e, ok in zip(expected, tie_free, strict=True) if ok
+    ]
+    crossing = _selected_sets(whole_row.tokens)[0]
+    assert [c for c, ok in zip(crossing, tie_free, strict=True) if ok] != [
+        e for e, ok in zip(expected, tie_free, strict=True) if ok
+    ]

@@ -16,6 +16,7 @@ import torch
 from torch.library import opcheck
 
 from glm53_ds.layers import (  # noqa: F401  (their ops)
+    blind_rows,
     block_fp8,
     indexer_topk,
     indexer_topk_triton,
@@ -121,11 +122,44 @@ def _indexer_topk() -> list[tuple]:
     visible_from = (torch.arange(10) * 4 + 3).masked_fill(torch.arange(10) == 9, indexer_topk.NOT_VISIBLE)[
         None
     ]
+    # a packed row: pools 0-3 in the first document (ends at 24), the rest in the second
+    visible_to = torch.where(torch.arange(10) < 4, 24, 60).masked_fill(
+        torch.arange(10) == 9, indexer_topk.NOT_VISIBLE
+    )
     return [(q, weights, keys, visible_from, 20, 4, 0.25),
-            (q.bfloat16(), weights, keys.bfloat16(), visible_from, 0, 4, 0.25)]  # fmt: skip
+            (q.bfloat16(), weights, keys.bfloat16(), visible_from, 0, 4, 0.25),
+            (q, weights, keys, visible_from, 20, 4, 0.25, visible_to[None])]  # fmt: skip
+
+
+def _blind_rows_inputs() -> tuple[torch.Tensor, ...]:
+    """A packed row of 3 documents (5, 4, 3 tokens), q [1, 12, 2, 8] as a transposed view, every third query
+    blind."""
+    g = torch.Generator().manual_seed(6)
+    out = torch.randn(1, 12, 2, 8, generator=g, requires_grad=True)
+    q = torch.randn(1, 12, 8, 2, generator=g).transpose(-1, -2).requires_grad_()
+    latent = torch.randn(1, 12, 8, generator=g, requires_grad=True)
+    blind = (torch.arange(12) % 3 == 0)[None]
+    documents = torch.tensor([0] * 5 + [1] * 4 + [2] * 3)
+    return out, blind, q, latent, documents
+
+
+def _blind_rows_by_document() -> list[tuple]:
+    out, blind, q, latent, documents = _blind_rows_inputs()
+    # the whole row, and the queries 4..11 of it (a later sequence-parallel rank's)
+    return [
+        (out, blind, q, latent, documents, 0, 0.5),
+        (out[:, 4:], blind[:, 4:], q[:, 4:], latent, documents, 4, 0.5),
+    ]
+
+
+def _blind_rows_by_document_backward() -> list[tuple]:
+    out, blind, q, latent, documents = _blind_rows_inputs()
+    return [(torch.randn(out.shape), blind, q.detach(), latent.detach(), documents, 0, 0.5)]
 
 
 SAMPLES: dict[str, Callable[[], list[tuple]]] = {
+    "glm53::blind_rows_by_document": _blind_rows_by_document,
+    "glm53::blind_rows_by_document_backward": _blind_rows_by_document_backward,
     "glm53::indexer_topk_triton": _indexer_topk,
     "glm53::grouped_mm": _grouped_mm,
     "glm53::sparse_attention_reference": _sparse_reference,

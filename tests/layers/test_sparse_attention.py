@@ -203,6 +203,59 @@ def test_blind_rows_average_all_values_with_hf_gradient():
         assert dq[0, :4].abs().max() > 0
 
 
+@pytest.mark.parametrize("offset", [0, 9])
+def test_blind_rows_of_a_packed_row_average_their_own_document(offset):
+    """A packed row (documents of 7, 11, 1, 8 tokens) in row positions: a blind query averages its own document's
+    latents, with the value and gradients of that document run alone (<= 1e-6), also for queries that are a later
+    part of the row (`offset`, a sequence-parallel rank's). Control: averaging the whole row differs."""
+    from glm53_ds.layers.documents import Documents
+
+    lengths = [7, 11, 1, 8]
+    length = sum(lengths)
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    documents = Documents.from_cu_seqlens(cu, length)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, length, 3, 16, generator=g)
+    c = torch.randn(1, length, 16, generator=g)
+    tokens = torch.full((1, length, 5), -1, dtype=torch.int32)
+    # each query selects earlier tokens of its document; its first 2 see nothing
+    for a, e in documents.bounds:
+        for i in range(a + 2, e):
+            n = min(i - a, 5)
+            tokens[0, i, :n] = (torch.randperm(i - a, generator=g)[:n] + a).int()
+    rows = slice(offset, length)
+
+    def packed(q_local, latent):
+        return sparse_latent_attention(
+            q_local, latent, tokens[:, rows], 0.3, document_ids=documents.ids, query_offset=offset
+        )
+
+    def alone(q_local, latent):
+        parts = []
+        for a, e in documents.bounds:
+            lo, hi = max(a, offset), e
+            if lo < hi:
+                local = torch.where(tokens[:, lo:hi] >= 0, tokens[:, lo:hi] - a, -1)
+                parts.append(
+                    sparse_latent_attention(q_local[:, lo - offset : hi - offset], latent[:, a:e], local, 0.3)
+                )
+        return torch.cat(parts, dim=1)
+
+    def whole_row(q_local, latent):
+        return sparse_latent_attention(q_local, latent, tokens[:, rows], 0.3)
+
+    q_local = q[:, rows].contiguous()
+    got, want, crossed = ({} for _ in range(3))
+    for fn, result in ((packed, got), (alone, want), (whole_row, crossed)):
+        qq, cc = q_local.clone().requires_grad_(), c.clone().requires_grad_()
+        out = fn(qq, cc)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        result.update(zip(("out", "dq", "dc"), (out, *torch.autograd.grad(out, (qq, cc), grad)), strict=True))
+    for name in ("out", "dq", "dc"):
+        assert rel_err(got[name], want[name]) <= 1e-6, (name, rel_err(got[name], want[name]))
+    assert rel_err(crossed["out"], want["out"]) > 1e-2  # control
+
+
 @pytest.mark.slow
 def test_packed_documents_and_mtp_agree_across_implementations(tmp_path):
     """The whole model (config A: full and shared DSA layers, MoE, MTP) on a packed row of three documents:
