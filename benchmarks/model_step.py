@@ -33,7 +33,7 @@ inductor's buffers there.
 
 Last line: `model_step time_ratio_vs_hf=<ours/HF> mem_ratio_vs_hf=<ours/HF> packed_time_ratio_vs_padded=...
 packed_mem_ratio_vs_padded=...` at the longest sequence both models ran.
-JSON goes to benchmarks/results/model_step_<device>[_<size>].json.
+JSON goes to benchmarks/results/model_step_<device>[_<size>][_<dtype> when not the size's default][_compile].json.
 """
 
 from __future__ import annotations
@@ -267,7 +267,11 @@ def main() -> None:
                 summary.update(compiled_rss_ratio_vs_eager=fast["rss_MiB"] / max(eager["rss_MiB"], 1e-9))
             else:
                 summary.update(compiled_mem_ratio_vs_eager=fast["peak_MiB"] / eager["peak_MiB"])
-    suffix = ("" if args.size == "tiny" else f"_{args.size}") + ("_compile" if args.compile else "")
+    default_dtype = "fp32" if args.size == "tiny" else "bf16"
+    suffix = ("" if args.size == "tiny" else f"_{args.size}") + (
+        "" if dtype_name == default_dtype else f"_{dtype_name}"
+    )
+    suffix += "_compile" if args.compile else ""
     path = write_results(
         f"model_step_{device.type}{suffix}",
         dict(device=device_description(device), config=text, rows=rows, summary=summary),

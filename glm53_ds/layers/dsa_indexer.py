@@ -155,8 +155,8 @@ class DsaIndexer(nn.Module):
         last = tokens[..., -1].clamp(0, s - 1)
         return Pools(
             keys=pool_keys[:, keep], tokens=tokens, visible_from=last.masked_fill(~complete, NOT_VISIBLE),
-            visible_to=None, first_real=first_real[:, None].expand(b, s), n_real_before=mask.new_zeros(b, s, dtype=torch.long),
-            mask=mask, n_real_upto=mask.long().cumsum(-1),
+            visible_to=None, first_real=first_real[:, None].expand(b, s),
+            n_real_before=mask.new_zeros(b, s, dtype=torch.long), mask=mask, n_real_upto=mask.long().cumsum(-1),
         )  # fmt: skip
 
     def document_pools(
@@ -181,9 +181,8 @@ class DsaIndexer(nn.Module):
         first_real = next_real[:, starts].minimum(ends)  # [b, S]: a document without real tokens: its end
         n_real_upto = mask.long().cumsum(-1)  # [b, S]
 
-        def real_upto(
-            position: torch.Tensor,
-        ) -> torch.Tensor:  # [b, S]: real keys at positions <= `position` (-1: 0)
+        def real_upto(position: torch.Tensor) -> torch.Tensor:
+            """[b, S]: real keys at positions <= `position` ([S] or [b, S]; -1: none)."""
             position = position.expand(b, s)
             return torch.where(position >= 0, n_real_upto.gather(-1, position.clamp(min=0)), 0)
 
@@ -192,15 +191,13 @@ class DsaIndexer(nn.Module):
         pool_last = rows + (kpool - 1) - offset.remainder(kpool)
         inside = pool_last < ends
         filled = real_upto(pool_last.clamp(max=s - 1)) - real_upto(pool_last - kpool) == kpool
-        closes_pool = (
-            (offset >= 0) & (pool_last == rows) & inside & filled
-        )  # [b, S]: the last token of a complete pool
+        # [b, S]: the last token of a complete pool
+        closes_pool = (offset >= 0) & (pool_last == rows) & inside & filled
         n_pools = s // kpool  # complete pools are disjoint runs of kpool tokens
         slot = torch.where(closes_pool, closes_pool.long().cumsum(-1) - 1, n_pools)
         last = torch.full((b, n_pools + 1), -1, dtype=torch.long, device=device)
-        last = last.scatter_reduce(1, slot, rows.expand(b, s), reduce="amax")[
-            :, :n_pools
-        ]  # [b, P], -1: empty slot
+        # [b, P]: each slot's last token, -1: an empty slot (the spare slot n_pools takes the other positions)
+        last = last.scatter_reduce(1, slot, rows.expand(b, s), reduce="amax")[:, :n_pools]
         complete = last >= 0
         tokens = (last[..., None] - (kpool - 1) + torch.arange(kpool, device=device)).masked_fill(
             ~complete[..., None], -1

@@ -286,10 +286,10 @@ class SparseMLA(nn.Module):
             q_lat = absorb_query(q, w_uk)  # [b, s, H, R]
             # the keys: the whole row's latent (under SP gathered: every rank's queries may select any token)
             keys_lat = latent if sp is None else sp.gather_tokens(latent)  # [b, S, R]
-            o_lat = sparse_latent_attention(
+            o_lat = sparse_latent_attention(  # [b, s, H, R]
                 q_lat, keys_lat, topk, self.scaling, dropout, impl, blind_possible=blind_possible,
                 document_ids=None if documents is None else documents.ids, query_offset=start,
-            )  # fmt: skip  # [b, s, H, R]
+            )  # fmt: skip
             out = expand_output(o_lat, w_uv)  # [b, s, H, dv]
 
         if train_indexer and indexed is not None and (record := current_record()) is not None:
