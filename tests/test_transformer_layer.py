@@ -32,7 +32,7 @@ RECOMPUTE = {
 
 # The padded batch runs the sparse attention path (the default off CUDA). Its queries allowed nothing (padding rows)
 # took HF's gradient through rows found on the host (nonzero, index_put) until issue 27; recompute then differed by
-# 1e-12..1e-9 absolute in the latent's gradient. The closed form (`sparse_attention._BlindRows`) is bitwise.
+# 1e-12..1e-9 absolute in the latent's gradient. The closed form (`blind_rows._BlindRows`) is bitwise.
 PADDED_ATTENTION = "sparse"
 
 
