@@ -47,6 +47,12 @@ def _stable_choice(scores, candidates, k):
     return torch.where(candidates.gather(-1, chosen), chosen, -1).to(torch.int32)
 
 
+def _tie_free(scores, candidates):
+    """[b, r] bool: the queries no two of whose candidates' scores are equal."""
+    return torch.tensor([[len(set(r[c].tolist())) == int(c.sum()) for r, c in zip(rows, cands, strict=True)]
+                         for rows, cands in zip(scores, candidates, strict=True)])  # fmt: skip
+
+
 def _inputs(b, rows, heads, dim, n_pools, dtype, seed, kpool=4):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, heads, rows, dim, generator=g)
@@ -146,9 +152,7 @@ def test_the_layer_selects_through_the_kernel(indexer, offset, monkeypatch):
     chosen = torch.where(kernel.pools_ok, kernel.pools, -1)
     assert torch.equal(chosen[mask[:, queries]], oracle[mask[:, queries]])
     # rows whose candidates tie nowhere: the torch path's selection, token for token
-    masked = scores.masked_fill(~candidates, float("nan"))
-    no_tie = torch.tensor([len(set(r[~r.isnan()].tolist())) == int((~r.isnan()).sum())
-                           for r in masked.flatten(0, 1)]).view(b, -1)  # fmt: skip
+    no_tie = _tie_free(scores, candidates)
     assert bool(no_tie.any()) and bool((~no_tie).any())  # both kinds of rows are here
     assert torch.equal(kernel.tokens[no_tie], torch_path.tokens[no_tie])
     assert torch.equal(kernel.pools_ok, torch_path.pools_ok)
@@ -199,18 +203,16 @@ def test_packed_documents_select_as_each_document_alone(indexer, offset, padded,
         monkeypatch.setattr(indexer, "indexer_impl", "triton")
         kernel = indexer.select(*args)
         monkeypatch.setattr(indexer, "indexer_impl", "torch")
-        alone, tied = [], []
+        alone, tie_free = [], []
         for a, e in documents.bounds:
             doc_pools = indexer.pools((keys[0][:, a:e], keys[1][:, a:e]), mask[:, a:e])
             selection = indexer.select(x[:, a:e], q_resid[:, a:e], mask[:, a:e], doc_pools)
             alone.append(torch.where(selection.tokens >= 0, selection.tokens + a, -1))
             scores = indexer.scores(x[:, a:e], q_resid[:, a:e], doc_pools.keys)
             candidates = indexer.candidates(doc_pools, torch.arange(e - a))
-            tied += [
-                len(set(r[c].tolist())) < int(c.sum()) for r, c in zip(scores[0], candidates[0], strict=True)
-            ]
+            tie_free += _tie_free(scores, candidates)[0].tolist()
     alone_tokens = torch.cat(alone, dim=1)[:, queries]
-    tie_free = [not t for t in tied[offset:]]
+    tie_free = tie_free[offset:]
     assert sum(tie_free) > 20 and not all(tie_free)  # both kinds of queries are here
     assert torch.equal(kernel.tokens, torch_path.tokens) and torch.equal(kernel.pools_ok, torch_path.pools_ok)
     got, expected = _selected_sets(torch_path.tokens)[0], _selected_sets(alone_tokens)[0]

@@ -225,35 +225,31 @@ def test_blind_rows_of_a_packed_row_average_their_own_document(offset):
             tokens[0, i, :n] = (torch.randperm(i - a, generator=g)[:n] + a).int()
     rows = slice(offset, length)
 
-    def packed(q_local, latent):
+    def packed(q_local, latent, selected):
         return sparse_latent_attention(
-            q_local, latent, tokens[:, rows], 0.3, document_ids=documents.ids, query_offset=offset
+            q_local, latent, selected, 0.3, document_ids=documents.ids, query_offset=offset
         )
 
-    def alone(q_local, latent):
+    def alone(q_local, latent, selected):
         parts = []
         for a, e in documents.bounds:
             lo, hi = max(a, offset), e
             if lo < hi:
-                local = torch.where(tokens[:, lo:hi] >= 0, tokens[:, lo:hi] - a, -1)
+                mine = selected[:, lo - offset : hi - offset]
+                local = torch.where(mine >= 0, mine - a, -1)  # the document's own positions
                 parts.append(
                     sparse_latent_attention(q_local[:, lo - offset : hi - offset], latent[:, a:e], local, 0.3)
                 )
         return torch.cat(parts, dim=1)
 
-    def whole_row(q_local, latent):
-        return sparse_latent_attention(q_local, latent, tokens[:, rows], 0.3)
+    def whole_row(q_local, latent, selected):
+        return sparse_latent_attention(q_local, latent, selected, 0.3)
 
-    q_local = q[:, rows].contiguous()
-    got, want, crossed = ({} for _ in range(3))
-    for fn, result in ((packed, got), (alone, want), (whole_row, crossed)):
-        qq, cc = q_local.clone().requires_grad_(), c.clone().requires_grad_()
-        out = fn(qq, cc)
-        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
-        result.update(zip(("out", "dq", "dc"), (out, *torch.autograd.grad(out, (qq, cc), grad)), strict=True))
-    for name in ("out", "dq", "dc"):
-        assert rel_err(got[name], want[name]) <= 1e-6, (name, rel_err(got[name], want[name]))
-    assert rel_err(crossed["out"], want["out"]) > 1e-2  # control
+    args = (q[:, rows].contiguous(), c, tokens[:, rows])
+    got, want, crossed = (_grads(fn, *args) for fn in (packed, alone, whole_row))
+    for name, a, b in zip(("out", "dq", "dc"), got, want, strict=True):
+        assert rel_err(a, b) <= 1e-6, (name, rel_err(a, b))
+    assert rel_err(crossed[0], want[0]) > 1e-2  # control
 
 
 @pytest.mark.slow
