@@ -563,3 +563,37 @@ def test_the_ops_check_the_contract_on_every_device(entry):
     assert call(q_lat, latent, tokens, 0.5, *extra).shape == q_lat.shape
     with pytest.raises(ValueError, match=r"sparse attention latent: shape \(1, 7, 4\)"):
         call(q_lat, latent[:, :7], tokens, 0.5, *extra)
+
+
+def test_blind_rows_of_a_packed_row_with_attention_dropout_see_only_their_document():
+    """With attention dropout (the per-row form, `blind_rows._by_document_with_dropout`): a blind query's output
+    depends on its own document's latents only (changing another document's leaves it bitwise equal under the same
+    seed), rows that select something are untouched, and the gradient reaches the document's latents. Control: the
+    whole-row form's blind output moves with the other document."""
+    from glm53_ds.layers.blind_rows import blind_rows, blind_rows_by_document
+    from glm53_ds.layers.documents import Documents
+
+    documents = Documents.from_cu_seqlens(torch.tensor([0, 6, 14]), 14)
+    g = torch.Generator().manual_seed(5)
+    out, q = torch.randn(1, 14, 2, 8, generator=g), torch.randn(1, 14, 2, 8, generator=g)
+    latent = torch.randn(1, 14, 8, generator=g, requires_grad=True)
+    blind = torch.zeros(1, 14, dtype=torch.bool)
+    blind[0, [0, 1, 6, 7]] = True  # each document's first two queries
+    other = latent.detach().clone()
+    other[:, :6] += 1.0  # the first document changed
+
+    def run(form, keys):
+        torch.manual_seed(0)
+        if form == "documents":
+            return blind_rows_by_document(out, blind, q, keys, documents.ids, 0, 0.3, dropout=0.5)
+        return blind_rows(out, blind, q, keys.unsqueeze(2), keys.unsqueeze(2), 0.3, 0.5)
+
+    got, moved = run("documents", latent), run("documents", other)
+    assert torch.equal(
+        got[0, 6:8], moved[0, 6:8]
+    )  # the second document's blind rows ignore the first's latents
+    assert not torch.equal(got[0, :2], moved[0, :2])
+    assert torch.equal(got[~blind], out[~blind])
+    got[0, 6:8].sum().backward()
+    assert latent.grad[0, :6].abs().max() == 0 and latent.grad[0, 6:].abs().max() > 0
+    assert not torch.equal(run("row", latent.detach())[0, 6:8], run("row", other)[0, 6:8])  # control
