@@ -36,6 +36,7 @@ setup(
             "numpy==2.4.6",
             "matplotlib==3.11.2",
             "pytest==9.0.3",
+            "pytest-xdist==3.8.0",  # README's test command runs two workers
             "ruff==0.17.6",
             "mypy==2.4.1",
             # The PEFT adapter export is tested by loading it into transformers' model with PEFT.

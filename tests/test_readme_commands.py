@@ -18,7 +18,15 @@ def test_readme_opens_with_the_two_commands():
     main_job, tests = readme_commands()
     assert "\n" not in main_job and "\n" not in tests
     assert main_job == "pip install -e . && deepspeed launch/train.py"
-    assert tests == 'pip install -e ".[test]" && python3 -m pytest tests'
+    assert tests == 'pip install -e ".[test]" && python3 -m pytest tests -n 2 --dist loadfile'
+
+
+def test_the_longest_files_collected_first_exist():
+    """tests/conftest.py's LONGEST_FIRST orders the two workers' files: a renamed file would drop out of it."""
+    from tests.conftest import LONGEST_FIRST
+
+    missing = [path for path in LONGEST_FIRST if not os.path.isfile(os.path.join(ROOT, path))]
+    assert missing == [], missing
 
 
 def test_ci_runs_the_second_block_without_a_copy():

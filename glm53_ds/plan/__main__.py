@@ -77,6 +77,9 @@ GPUS_PER_NODE = 8
 HOST_MEMORY = "2TB"  # an H200 node (DGX / HGX H200: 2 TB of host memory)
 # exit codes: the run fits (or --search found a world), it does not, a refusal
 FITS, DOES_NOT_FIT, REFUSED = 0, 1, 2
+# a compiled run's activations are not modelled: the compiled step keeps less than eager's (inductor fuses what eager
+# keeps between its kernels), measured only on the CPU so far (benchmarks/README.md)
+COMPILED_PEAK_NOTE = "on the CPU the compiled step's peak is 0.64-0.72x eager's; not yet measured on CUDA"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -261,6 +264,8 @@ def _print_memory(memory: RankMemory) -> None:
     print(f"  {'loss head (chunked), in its backward':<38} {memory.loss_head / GiB:14.2f} GiB")
     print(f"  {'peak (kept from the forward)':<38} {memory.activations / GiB:14.2f} GiB "
           f"({memory.activations_saved / GiB:.2f})")  # fmt: skip
+    if memory.run.config.compile:
+        print(f"  the run's --compile: counted as eager, an upper bound ({COMPILED_PEAK_NOTE})")
     if memory.run.config.offload_activations:
         print(f"pinned host memory (the layers' kept inputs, --offload-activations) {memory.host / GiB:.2f} GiB per "
               "rank: not in the GPU total")  # fmt: skip

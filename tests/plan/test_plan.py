@@ -330,3 +330,24 @@ def test_experts_the_trace_cannot_follow_are_one_error_line():
     assert [reason.split(":")[0] for reason in searched["not_planned"]] == ["EP 1 x ETP 1"], searched
     layouts = {(f["layout"]["ep"], f["layout"]["etp"]) for f in searched["fits"]}
     assert searched["world"] == 2 and (2, 1) in layouts and (1, 1) not in layouts, layouts
+
+
+def test_a_compiled_run_is_planned_as_eager_and_says_so(tmp_path, capsys):
+    """A run file with `compile = true`: the planner counts eager's activations (the same total as the run without
+    it) and says in one line that this is an upper bound; the control, the same run eager, has no such line."""
+    from glm53_ds.plan.__main__ import main
+
+    run = tmp_path / "run.toml"
+    printed = {}
+    for compiled in ("false", "true"):
+        run.write_text(f"[model]\ncompile = {compiled}\n", encoding="utf-8")
+        assert (
+            main(["--config", str(run), "--model-config", "tiny", "--world", "1", "--seq-length", "256"]) == 0
+        )
+        printed[compiled] = capsys.readouterr().out
+    said = "the run's --compile: counted as eager, an upper bound"
+    assert said in printed["true"] and said not in printed["false"]
+    totals = {
+        k: next(line for line in out.splitlines() if line.startswith("total ")) for k, out in printed.items()
+    }
+    assert totals["true"] == totals["false"], totals
