@@ -332,19 +332,17 @@ def test_experts_the_trace_cannot_follow_are_one_error_line():
     assert searched["world"] == 2 and (2, 1) in layouts and (1, 1) not in layouts, layouts
 
 
-def test_a_compiled_run_is_planned_as_eager_and_says_so(tmp_path, capsys):
+def test_a_compiled_run_is_planned_as_eager_and_says_so(tmp_path):
     """A run file with `compile = true`: the planner counts eager's activations (the same total as the run without
     it) and says in one line that this is an upper bound; the control, the same run eager, has no such line."""
-    from glm53_ds.plan.__main__ import main
-
     run = tmp_path / "run.toml"
     printed = {}
     for compiled in ("false", "true"):
         run.write_text(f"[model]\ncompile = {compiled}\n", encoding="utf-8")
-        assert (
-            main(["--config", str(run), "--model-config", "tiny", "--world", "1", "--seq-length", "256"]) == 0
-        )
-        printed[compiled] = capsys.readouterr().out
+        proc = module_run("glm53_ds.plan", "--config", str(run), "--model-config", "tiny", "--world", "1",
+                          "--seq-length", "256", timeout=600)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        printed[compiled] = proc.stdout
     said = "the run's --compile: counted as eager, an upper bound"
     assert said in printed["true"] and said not in printed["false"]
     totals = {
