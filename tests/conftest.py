@@ -118,7 +118,7 @@ FAST_LANE_TEST = "GLM53_TEST_NOT_SLOW"  # set while a test not marked slow runs
 def pytest_collection_modifyitems(config, items):
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     # a stable sort: each file's tests stay together and in their order
-    items.sort(key=lambda item: rank.get(getattr(item, "nodeid", "").split("::")[0], len(rank)))
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
     for item in items:
         function = getattr(item, "function", None)
         try:
