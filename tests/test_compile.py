@@ -7,6 +7,8 @@ benchmarks/model_step.py measures it)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ import glm53_ds
 from glm53_ds.compile import apply_compile, compiled_regions
 from glm53_ds.config import Glm53Config
 from glm53_ds.layers.moe import Glm53MoE
+from glm53_ds.training.presets import tiny
 from tests.cli import deepspeed_run, metrics
 from tests.model_fixtures import CONFIG_A
 
@@ -146,15 +149,23 @@ def test_packed_documents_of_changing_counts_and_lengths_are_one_graph_compiled_
 @pytest.mark.slow
 def test_the_trainer_compiles_under_deepspeed_with_the_memory_options(tmp_path):
     """`--compile` as shipped, on two DeepSpeed ranks folding EP 2 and SP 2, with LoRA, full recompute, offloaded
-    activations, MoE tiles and packed documents: the same losses and gradient norms as the eager run."""
-    common = ["--train-iters", "2", "--seq-length", "32", "--ep", "2", "--sp", "2", "--lora-rank", "8",
-              "--recompute", "full", "--offload-activations", "--moe-tile-mib", "1"]  # fmt: skip
+    activations, MoE tiles and packed documents: the same losses and gradient norms as the eager run.
+
+    The model is the tiny preset cut to one layer of each attention kind (the first a dense KDA layer, then a DSA
+    MoE layer) with 2 Sinkhorn iterations: every region's kind at about half the tiny preset's compile time
+    (65 s instead of 114 s for the compiled run's first step on a 2-core machine)."""
+    text = dict(tiny().to_text_dict(), num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"],
+                mlp_layer_types=["dense", "sparse"], indexer_types=["full", "full"], hc_sinkhorn_iters=2)  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(text))
+    common = ["--model-config", str(tmp_path / "config.json"), "--train-iters", "2", "--seq-length", "32",
+              "--ep", "2", "--sp", "2", "--lora-rank", "8", "--recompute", "full", "--offload-activations",
+              "--moe-tile-mib", "1"]  # fmt: skip
     runs = {}
     for name, extra in (("eager", []), ("compiled", ["--compile", "--compile-backend", "aot_eager"])):
         proc = deepspeed_run(2, *common, *extra, "--output-dir", str(tmp_path / name))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         runs[name] = [(r["lm_loss"], r["grad_norm"]) for r in metrics(tmp_path / name)]
-    assert "--compile: 6 regions (aot_eager" in proc.stdout + proc.stderr
+    assert "--compile: 4 regions (aot_eager" in proc.stdout + proc.stderr
     assert len(runs["eager"]) == 2
     for (loss, norm), (c_loss, c_norm) in zip(runs["eager"], runs["compiled"], strict=True):
         assert abs(c_loss - loss) <= 1e-5 * loss and abs(c_norm - norm) <= 1e-4 * norm, runs
