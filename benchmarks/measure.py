@@ -113,7 +113,8 @@ class PeakRss:
     `with PeakRss() as rss: ...` then `rss.extra` is the peak over the RSS at entry, in bytes.
 
     Allocator caveat: glibc raises its mmap threshold after freeing large blocks and then keeps freed heap memory
-    mapped; run the process with MALLOC_MMAP_THRESHOLD_=65536 so RSS follows what the code holds.
+    mapped; run the process with MALLOC_MMAP_THRESHOLD_=65536, or call `rss_follows_allocations()` first, so RSS
+    follows what the code holds.
     """
 
     def __enter__(self) -> PeakRss:
@@ -136,6 +137,25 @@ class PeakRss:
         self._thread.join()
         self.peak = max(self.peak, self._process.memory_info().rss)
         self.extra = self.peak - self.base
+
+
+def rss_follows_allocations() -> bool:
+    """From here on, this process's RSS follows what it holds, as under MALLOC_MMAP_THRESHOLD_=65536 at its start:
+    glibc's mmap threshold fixed at 64 KiB (each large block mapped when allocated and unmapped when freed) and the
+    heap's free memory handed back. It cannot be undone, and it slows code that allocates much (transformers' tiny
+    fp32 step took 2.3x its time), so a benchmark times its steps first and measures RSS after. False where the C
+    library is not glibc (RSS then keeps what the allocator caches)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        m_mmap_threshold = -3  # malloc.h
+        fixed = libc.mallopt(m_mmap_threshold, 65536) == 1
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return fixed
 
 
 def selective_init(module: torch.nn.Module) -> None:

@@ -110,15 +110,7 @@ class KimiDeltaAttention(nn.Module):
                 groups=x.shape[-1],
             )
             return F.silu(y[..., :s]).to(x.dtype).transpose(1, 2)
-        # weight[..., last] multiplies the token itself, weight[..., last - j] the token j back
-        last = self.kernel_size - 1
-        # every product reads the one padded copy (all that autograd keeps, as conv1d keeps its input), and the sum
-        # grows in place: the memory of the conv1d above
-        padded = F.pad(x.to(weight.dtype), (0, 0, last, 0))  # [b, s + last, C], zeros before the row
-        y = padded[:, last:] * weight[:, 0, last]
-        for j in range(1, self.kernel_size):
-            back = padded[:, last - j : last - j + s] * weight[:, 0, last - j]  # x[t - j] w
-            y = y.add_(back.masked_fill_((positions < j)[None, :, None], 0.0))
+        y = DocumentShortConv.apply(x.to(weight.dtype), weight[:, 0], positions)
         return F.silu(y).to(x.dtype)
 
     # packed documents: this module restarts its conv window and recurrent state at each boundary itself (fla's
@@ -170,6 +162,44 @@ class KimiDeltaAttention(nn.Module):
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(heads)
         out = self.o_proj(self.o_norm(core, gate).reshape(b, s, -1))
         return out.transpose(0, 1), None
+
+
+class DocumentShortConv(torch.autograd.Function):
+    """The causal depthwise conv of packed documents, before its SiLU: x [b, s, C], weight [C, kernel],
+    positions [s] (each token's position in its document) -> y [b, s, C], with
+    y[t] = sum_j weight[:, last - j] * x[t - j] over the taps j < kernel with positions[t] >= j (the window restarts
+    at each document). Tensor code, the same for any packing, so a compiled layer traces it whole.
+
+    It has its own backward, shaped as conv1d's: one gradient the size of x, each tap's part added into it. Autograd
+    of the tap loop built one gradient of the padded input per tap: its step peaked at 9x x's size, this one's at
+    4x, conv1d's at 3x (tests/layers/test_kda_ops.py); a packed medium-width KDA layer's step peaked 12 MiB above the
+    whole row's (1066 vs 1054 MiB), and now peaks as the whole row's."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, positions)
+        last = weight.shape[-1] - 1
+        # weight[:, last] multiplies the token itself, weight[:, last - j] the token j back: x[:, :-j] for the
+        # outputs y[:, j:] (none when s <= j), except the outputs whose document began less than j tokens back
+        y = x * weight[:, last]
+        for j in range(1, last + 1):
+            skips = (positions[j:] < j)[None, :, None]
+            y[:, j:] += (x[:, :-j] * weight[:, last - j]).masked_fill_(skips, 0.0)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight, positions = ctx.saved_tensors
+        last = weight.shape[-1] - 1
+        grad_x = grad * weight[:, last]
+        grad_weight = torch.zeros_like(weight)
+        grad_weight[:, last] = (grad * x).sum((0, 1))
+        for j in range(1, last + 1):
+            skips = (positions[j:] < j)[None, :, None]  # the outputs tap j did not reach
+            # one [b, s - j, C] product at a time, masked in place
+            grad_x[:, :-j] += (grad[:, j:] * weight[:, last - j]).masked_fill_(skips, 0.0)
+            grad_weight[:, last - j] = (grad[:, j:] * x[:, :-j]).masked_fill_(skips, 0.0).sum((0, 1))
+        return grad_x, grad_weight, None
 
 
 def _depthwise_conv(channels: int, kernel_size: int) -> nn.Conv1d:

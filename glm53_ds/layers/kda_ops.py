@@ -4,7 +4,8 @@ Per head, with state S [dk, dv], per-channel log-decay g_t [dk], write strength 
     S_t = diag(exp(g_t)) S_{t-1} + k_t (beta_t (v_t - (diag(exp(g_t)) S_{t-1})^T k_t))^T
     o_t = S_t^T (q_t / sqrt(dk))
 The chunked form (chunk length C) solves each chunk's intra-chunk dependencies with one unit-lower-triangular
-system (the WY representation) and carries S across chunks. Everything runs in fp32 (the state is sensitive to
+system (the WY representation) and carries S across chunks; its pairwise decays exp(G_i - G_j) materialise only
+inside 16-token sub-chunks (`_decayed_products`). Everything runs in fp32 (the state is sensitive to
 rounding); the output is cast back to the input dtype.
 
 `kda_attention` uses fla-core's Triton kernel on CUDA when `fla` is installed (the config's `kda_impl`:
@@ -57,11 +58,18 @@ def chunk_kda_torch(
     k = l2_normalize(k)
     b, h, s, dk = k.shape
     dv = v.shape[-1]
+    # whole sub-chunks: positions after the row write nothing (k = beta = 0) and do not decay (g = 0)
+    tail = -s % SUB_CHUNK
+    if tail:
+        q, k, v, g = (torch.nn.functional.pad(t, (0, 0, 0, tail)) for t in (q, k, v, g))
+        beta = torch.nn.functional.pad(beta, (0, tail))
+        if document_ids is not None:
+            document_ids = torch.cat([document_ids, document_ids[-1:].expand(tail)])
 
     state = q.new_zeros(b, h, dk, dv)
     outputs = []
-    for start in range(0, s, chunk_size):
-        end = min(start + chunk_size, s)
+    for start in range(0, s + tail, chunk_size):
+        end = min(start + chunk_size, s + tail)
         c = end - start
         qc, kc, vc, bc = (
             q[:, :, start:end],
@@ -83,14 +91,13 @@ def chunk_kda_torch(
             in_last = (ids == ids[-1])[:, None]  # [c, 1]: the document whose state the chunk hands on
             kept = ids[-1] == entering  # that document is the carried one (no document began in the chunk)
         strictly_lower = causal.tril(-1)  # j < i
-        # decay[i, j] = exp(G_i - G_j) for j <= i, 0 above the diagonal: [b, h, c, c, dk]
-        log_decay = (gc.unsqueeze(-2) - gc.unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf"))
-        decay = log_decay.exp()
 
         # Intra-chunk write interactions A[i, j] = -beta_i sum_d k_i k_j decay_ij (j < i), and the WY solve
-        # (I - A) X = rhs: X = T @ rhs with T = (I - A)^-1.
+        # (I - A) X = rhs: X = T @ rhs with T = (I - A)^-1; the scores q_i . k_j decay_ij (j <= i).
         kb = kc * bc
-        a = -(kb.unsqueeze(-2) * kc.unsqueeze(-3) * decay).sum(-1).masked_fill(~strictly_lower, 0.0)
+        a, scores = _decayed_products(torch.stack([kb, qc]), kc, gc)
+        a = -a.masked_fill(~strictly_lower, 0.0)
+        scores = scores.masked_fill(~causal, 0.0)  # [b, h, c, c]
         eye = torch.eye(c, dtype=a.dtype, device=a.device)
         system = eye - a
         u = torch.linalg.solve_triangular(system, vc * bc, upper=False, unitriangular=True)  # [b, h, c, dv]
@@ -102,9 +109,6 @@ def chunk_kda_torch(
         )  # [b, h, c, dk]
 
         v_new = u - w @ state  # what each position writes, after the carried state's prediction
-        scores = (
-            (qc.unsqueeze(-2) * kc.unsqueeze(-3) * decay).sum(-1).masked_fill(~causal, 0.0)
-        )  # [b, h, c, c]
         outputs.append((qc * from_start) @ state + scores @ v_new)
         to_end = kc * (g_last - gc).exp()  # [b, h, c, dk]
         decayed = state * g_last.exp().transpose(-1, -2)
@@ -113,8 +117,44 @@ def chunk_kda_torch(
             decayed = decayed * kept  # its state starts from zero when it began in this chunk
         state = decayed + to_end.transpose(-1, -2) @ v_new
 
-    o = torch.cat(outputs, dim=2) if outputs else v.new_zeros(b, h, 0, dv)
+    o = torch.cat(outputs, dim=2)[:, :, :s] if outputs else v.new_zeros(b, h, 0, dv)
     return o.transpose(1, 2).contiguous().to(out_dtype)
+
+
+SUB_CHUNK = 16
+
+
+def _decayed_products(lhs: torch.Tensor, rhs: torch.Tensor, gc: torch.Tensor) -> torch.Tensor:
+    """sum_d lhs[i, d] rhs[j, d] exp(gc[i, d] - gc[j, d]) for j <= i (0 above the diagonal): lhs [..., c, dk]
+    (any leading dims broadcasting against rhs's), rhs and gc (the log decay since the chunk's start,
+    non-increasing in i) [b, h, c, dk], c a multiple of SUB_CHUNK -> [..., c, c].
+
+    Materialising exp(gc_i - gc_j) for every pair is a [c, c, dk] tensor per head. Instead, a pair whose j lies in
+    an earlier sub-chunk than i factors through the start r of i's sub-chunk,
+    exp(gc_i - gc_j) = exp(gc_i - gc_r) exp(gc_r - gc_j), both exponents <= 0 (no overflow), so those pairs are one
+    matrix product; only pairs inside a sub-chunk materialise their decay ([c, SUB_CHUNK, dk] per head), as fla's
+    kernels split a chunk into sub-chunks of 16."""
+    c = gc.shape[-2]
+    n = c // SUB_CHUNK
+    by_sub = (n, SUB_CHUNK)
+    g_sub = gc.unflatten(-2, by_sub)  # [b, h, n, sub, dk]
+    g_ref = g_sub[..., :1, :]  # [b, h, n, 1, dk]: the log decay at each sub-chunk's start
+    lhs_sub, rhs_sub = lhs.unflatten(-2, by_sub), rhs.unflatten(-2, by_sub)
+    # pairs across sub-chunks: [..., n, sub, dk] @ [b, h, n, dk, c], the columns j before sub-chunk p's start
+    # decayed to it (to_ref [b, h, n, c, dk]), the others 0
+    positions = torch.arange(c, device=gc.device)
+    earlier = (positions[None, :] < positions[::SUB_CHUNK, None])[..., None]  # [n, c, 1]
+    to_ref = (g_ref - gc[:, :, None]).masked_fill(~earlier, float("-inf")).exp()
+    from_ref = (g_sub - g_ref).exp()  # [b, h, n, sub, dk]
+    across = (lhs_sub * from_ref) @ (rhs[:, :, None] * to_ref).transpose(-1, -2)  # [..., n, sub, c]
+    # pairs inside a sub-chunk: the decay materialised, [b, h, n, sub, sub, dk]
+    inner_causal = torch.ones(SUB_CHUNK, SUB_CHUNK, dtype=torch.bool, device=gc.device).tril()[..., None]
+    inner_decay = (g_sub.unsqueeze(-2) - g_sub.unsqueeze(-3)).masked_fill(~inner_causal, float("-inf")).exp()
+    inner = (lhs_sub.unsqueeze(-2) * rhs_sub.unsqueeze(-3) * inner_decay).sum(-1)  # [..., n, sub, sub]
+    # inner's blocks on the diagonal of [n, sub, n, sub], where `across` is 0
+    on_diagonal = torch.eye(n, dtype=inner.dtype, device=inner.device)
+    blocks = (inner.unsqueeze(-2) * on_diagonal[:, None, :, None]).flatten(-4, -3).flatten(-2, -1)
+    return across.flatten(-3, -2) + blocks
 
 
 # --------------------------------------------------------------------------- the reference as an operator
