@@ -24,14 +24,14 @@ decoder layer / MTP depth / backward, to the JSON's summary.
 
 `--compile`: a third model, glm53_ds under `glm53_ds.compile.apply_compile` (inductor: each decoder layer, the MTP
 layer and the loss head), timed after its compiling step; each row gets process CPU time (1 thread) beside wall
-time and the peak RSS of the step (PeakRss; the tensor count cannot see inductor's buffers), and the last line adds
-`compiled_time_ratio_vs_eager`, `compiled_rss_ratio_vs_eager` and `compiled_time_ratio_vs_hf` (CPU time), and
-`compile_s` (the wall time of the compiling step). Sizes for it on CPU: `tiny` and `medium` (hidden 512). Every
-step is timed under glibc's default allocator first; the peak RSS of each is measured after, once
-`measure.rss_follows_allocations()` has made the process's RSS follow what it holds (which slows transformers'
-step more than ours: timed under it, the tiny ratio vs transformers read 0.261x where it is 0.42x). On CUDA (gpu_check's `compile` step, `real` at 4k) the ratios
-are of synchronised wall time, and memory is the allocator's peak (`compiled_mem_ratio_vs_eager`), which sees
-inductor's buffers there.
+time and, on CPU, the peak bytes torch's allocator held during the step (`alloc_MiB`, measure.allocator_peak_bytes:
+it sees inductor's buffers, which the tensor count cannot, and does not depend on glibc's caching as the RSS does),
+and the last line adds `compiled_time_ratio_vs_eager`, `compiled_mem_ratio_vs_eager` and
+`compiled_time_ratio_vs_hf` (CPU time), and `compile_s` (the wall time of the compiling step). Sizes for it on CPU:
+`tiny` and `medium` (hidden 512). Run it under glibc's default allocator: MALLOC_MMAP_THRESHOLD_=65536 slows
+transformers' step more than ours (the tiny ratio vs transformers read 0.261x under it, 0.42x without). On CUDA
+(gpu_check's `compile` step, `real` at 4k) the ratios are of synchronised wall time, and memory is the allocator's
+peak, which sees inductor's buffers there.
 
 Last line: `model_step time_ratio_vs_hf=<ours/HF> mem_ratio_vs_hf=<ours/HF> packed_time_ratio_vs_padded=...
 packed_mem_ratio_vs_padded=...` at the longest sequence both models ran.
@@ -53,12 +53,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import glm53_ds  # noqa: E402
 from benchmarks.measure import (  # noqa: E402
-    PeakRss,
+    allocator_peak_bytes,
     cpu_and_wall,
     device_description,
     peak_extra_bytes,
     print_table,
-    rss_follows_allocations,
     synchronize,
     time_call,
     write_results,
@@ -184,7 +183,6 @@ def main() -> None:
         models["glm53_ds_compiled"] = compiled
 
     rows = []
-    rss_steps: list[tuple[dict[str, Any], torch.nn.Module, Any]] = []  # measured after every timing
     counts: dict[int, Any] = {}  # host syncs and aten ops per step, by scope (glm53_ds/host_syncs.py)
     peak_tflops = device_peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     for seq in seqs:
@@ -228,12 +226,14 @@ def main() -> None:
                     row.update(compile_s=time.perf_counter() - begun)
                     print(f"compiled in {row['compile_s']:.1f} s", flush=True)
                 cpu_s, seconds = cpu_and_wall(step, device, repeats=args.repeats)
-                # on CPU inductor's buffers are not dispatched tensors (the RSS sees them); CUDA's allocator sees all
+                # on CPU inductor's buffers are not dispatched tensors (the allocator's record sees them); CUDA's
+                # allocator sees all
                 if name != "glm53_ds_compiled" or device.type == "cuda":
                     row.update(peak_MiB=peak_extra_bytes(step, list(model.parameters())) / 2**20)
+                if device.type == "cpu":
+                    row.update(alloc_MiB=allocator_peak_bytes(step) / 2**20)
                 row.update(step_s=seconds, cpu_s=cpu_s, tokens_per_s=args.batch * seq / seconds,
                            tflops=model_flops / seconds / 1e12)  # fmt: skip
-                rss_steps.append((row, model, step))
                 if peak_tflops:
                     row.update(mfu=row["tflops"] / peak_tflops)
             except torch.OutOfMemoryError:
@@ -246,18 +246,11 @@ def main() -> None:
             model.zero_grad(set_to_none=True)
             rows.append(row)
     packed = packed_vs_padded(ours, text["vocab_size"], max(seqs), device, args.repeats)
-    if device.type == "cpu" and not rss_follows_allocations():
-        print("note: not glibc: the peak RSS includes what the allocator caches")
-    for row, model, step in rss_steps:  # the timings are done: the allocator's setting changes no time
-        with PeakRss() as rss:
-            step()
-        model.zero_grad(set_to_none=True)
-        row.update(rss_MiB=rss.extra / 2**20)
     print(f"packed vs padded ({packed['documents']} documents, {packed['tokens']} tokens, padded batch "
           f"{packed['padded_shape']}): time {packed['time_ratio']:.3f}, memory {packed['mem_ratio']:.3f}")  # fmt: skip
     print(f"device: {device_description(device)}")
     print_table(rows, ["model", "seq", "batch", "dtype", "step_s", "cpu_s", "tokens_per_s", "tflops", "mfu",
-                       "peak_MiB", "rss_MiB", "compile_s", "host_syncs", "aten_ops", "error"])  # fmt: skip
+                       "peak_MiB", "alloc_MiB", "compile_s", "host_syncs", "aten_ops", "error"])  # fmt: skip
     both = [s for s in seqs if all("step_s" in r for r in rows if r["seq"] == s)]
     summary: dict[str, Any] = dict(
         size=args.size, loss_rel_diff=loss_rel_diff, packed=packed, host_syncs=counts
@@ -268,15 +261,12 @@ def main() -> None:
                        mem_ratio_vs_hf=by["glm53_ds"]["peak_MiB"] / by["hf"]["peak_MiB"])  # fmt: skip
         if "glm53_ds_compiled" in by:
             fast, eager = by["glm53_ds_compiled"], by["glm53_ds"]
-            # CPU: process time (1 thread) and peak RSS; CUDA: synchronised wall time and the allocator's peak
-            clock = "cpu_s" if device.type == "cpu" else "step_s"
+            # CPU: process time (1 thread) and the allocator's recorded peak; CUDA: synchronised wall time and the
+            # allocator's peak
+            clock, held = ("cpu_s", "alloc_MiB") if device.type == "cpu" else ("step_s", "peak_MiB")
             summary.update(compiled_time_ratio_vs_eager=fast[clock] / eager[clock],
                            compiled_time_ratio_vs_hf=fast[clock] / by["hf"][clock],
-                           compile_s=fast["compile_s"])  # fmt: skip
-            if device.type == "cpu":
-                summary.update(compiled_rss_ratio_vs_eager=fast["rss_MiB"] / max(eager["rss_MiB"], 1e-9))
-            else:
-                summary.update(compiled_mem_ratio_vs_eager=fast["peak_MiB"] / eager["peak_MiB"])
+                           compiled_mem_ratio_vs_eager=fast[held] / eager[held], compile_s=fast["compile_s"])  # fmt: skip
     default_dtype = "fp32" if args.size == "tiny" else "bf16"
     suffix = ("" if args.size == "tiny" else f"_{args.size}") + (
         "" if dtype_name == default_dtype else f"_{dtype_name}"
@@ -298,7 +288,6 @@ def main() -> None:
             f" {k}={summary[k]:.3f}"
             for k in (
                 "compiled_time_ratio_vs_eager",
-                "compiled_rss_ratio_vs_eager",
                 "compiled_mem_ratio_vs_eager",
                 "compiled_time_ratio_vs_hf",
                 "compile_s",
