@@ -131,7 +131,7 @@ def _decayed_products(lhs: torch.Tensor, rhs: torch.Tensor, gc: torch.Tensor) ->
 
     Materialising exp(gc_i - gc_j) for every pair is a [c, c, dk] tensor per head. Instead, a pair whose j lies in
     an earlier sub-chunk than i factors through the start r of i's sub-chunk,
-    exp(gc_i - gc_j) = exp(gc_i - gc_r) exp(gc_r - gc_j), both exponents <= 0 (no overflow), so those pairs are one
+    exp(gc_i - gc_j) = exp(gc_i - gc_r) exp(gc_r - gc_j), both exponents <= 0 (each factor at most 1), so those pairs are one
     matrix product; only pairs inside a sub-chunk materialise their decay ([c, SUB_CHUNK, dk] per head), as fla's
     kernels split a chunk into sub-chunks of 16."""
     c = gc.shape[-2]
