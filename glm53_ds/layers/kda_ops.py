@@ -95,11 +95,11 @@ def chunk_kda_torch(
         # Intra-chunk write interactions A[i, j] = -beta_i sum_d k_i k_j decay_ij (j < i), and the WY solve
         # (I - A) X = rhs: X = T @ rhs with T = (I - A)^-1; the scores q_i . k_j decay_ij (j <= i).
         kb = kc * bc
-        a, scores = _decayed_products(torch.stack([kb, qc]), kc, gc)
-        a = -a.masked_fill(~strictly_lower, 0.0)
+        writes, scores = _decayed_products(torch.stack([kb, qc]), kc, gc)  # writes = -A before its mask
         scores = scores.masked_fill(~causal, 0.0)  # [b, h, c, c]
-        eye = torch.eye(c, dtype=a.dtype, device=a.device)
-        system = eye - a
+        system = torch.eye(c, dtype=writes.dtype, device=writes.device) + writes.masked_fill(
+            ~strictly_lower, 0.0
+        )
         u = torch.linalg.solve_triangular(system, vc * bc, upper=False, unitriangular=True)  # [b, h, c, dv]
         from_start = gc.exp()  # [b, h, c, dk]: the decay since the chunk's start
         if carried is not None:
