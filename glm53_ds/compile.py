@@ -35,11 +35,21 @@ from .layers.mtp import Glm53MtpLayer
 from .transformer_layer import Glm53TransformerLayer
 
 RECOMPILE_LIMIT = 64
+# Static shapes. A training row has one length (--seq-length; packing changes no shape), but the first layer takes
+# the embedding [s, b, D] and every other layer the packed streams [s * n, b, D]. Under torch.compile's default
+# (`dynamic=None`) the second layer's size, against the first's graph, makes dynamo mark the sequence dim dynamic
+# ("automatic dynamic"), and every later layer is traced with symbolic sizes: the fp32 region test's first step took
+# 69 s that way, 20 s static (tests/test_compile.py), and inductor generates code for a symbolic length. A row of
+# another length compiles anew.
+DYNAMIC: bool | None = False
 COMPILED = "_glm53_compiled"  # set on a module (or the model, for the loss head) whose region is compiled
 
 
-def _compiled(fn: Callable[..., Any], backend: str, fullgraph: bool) -> Callable[..., Any]:
-    compiled = torch.compile(fn, fullgraph=fullgraph, backend=backend)
+Backend = str | Callable[..., Any]
+
+
+def _compiled(fn: Callable[..., Any], backend: Backend, fullgraph: bool) -> Callable[..., Any]:
+    compiled = torch.compile(fn, fullgraph=fullgraph, backend=backend, dynamic=DYNAMIC)
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -49,17 +59,18 @@ def _compiled(fn: Callable[..., Any], backend: str, fullgraph: bool) -> Callable
     return run
 
 
-def _compile_method(module: nn.Module, method: str, backend: str, fullgraph: bool) -> None:
+def _compile_method(module: nn.Module, method: str, backend: Backend, fullgraph: bool) -> None:
     if getattr(module, COMPILED, False):
         return
     setattr(module, method, _compiled(getattr(module, method), backend, fullgraph))
     setattr(module, COMPILED, True)
 
 
-def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool = False) -> list[str]:
+def apply_compile(model: nn.Module, backend: Backend = "inductor", fullgraph: bool = False) -> list[str]:
     """Compile `model`'s regions in place (idempotent); returns their names, the loss head as `loss_head`.
-    `backend`: torch.compile's (tests trace with "aot_eager": the same graphs, forward and backward, no code
-    generated); `fullgraph=True`: a graph break is an error (whole rows only)."""
+    `backend`: torch.compile's, a name or a callable (tests trace with "aot_eager": the same graphs, forward and
+    backward, no code generated); shapes static (`DYNAMIC`); `fullgraph=True`: a graph break is an error (whole
+    rows only)."""
     # one cache entry per layer kind and input form under one code object (torch's default limit is 8)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     names = []

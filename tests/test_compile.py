@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import glm53_ds
+import glm53_ds.compile
 from glm53_ds.compile import apply_compile, compiled_regions
 from glm53_ds.config import Glm53Config
 from glm53_ds.layers.moe import Glm53MoE
@@ -70,17 +71,25 @@ def _step(model: torch.nn.Module, ids: torch.Tensor, **kw) -> tuple[torch.Tensor
     parts.total.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     # a model without DSA layers has no indexer loss
-    losses = [t for t in (parts.total, parts.lm, parts.aux, parts.indexer) if t is not None]
-    return torch.stack(losses).detach(), grads
+    losses = {k: t.detach() for k, t in vars(parts).items() if isinstance(t, torch.Tensor) and t.dim() == 0}
+    return losses, grads
+
+
+# the indexer's KL loss (about 2e-5 here) is the difference of a cross entropy and an entropy, each of order 1
+CANCELLING_LOSSES = ("indexer",)
 
 
 def _assert_equal_within(a, b, rel: float) -> None:
     """Losses within `rel`, each gradient within 10 `rel` of its largest magnitude (at 1e-5 the model tests' fp32
-    bounds against transformers, tests/test_model.py), an mHC `base` / `scale` gradient within 100 `rel`: each is
-    a sum over every token of terms of both signs, so the order of the sum shows (measured with packed documents,
-    whose layers run in two graphs each: up to 1.25e-4, every other gradient 6e-6)."""
+    bounds against transformers, tests/test_model.py), an mHC `base` / `scale` gradient and the indexer's KL loss
+    within 100 `rel`: each is a sum of terms of both signs, so the order of the sum shows (measured with packed
+    documents, whose layers run in two graphs each: up to 1.25e-4, every other gradient 6e-6; with mHC's write-back
+    traced as torch code, the KL 1.5e-4)."""
     (loss_a, grads_a), (loss_b, grads_b) = a, b
-    assert torch.allclose(loss_a, loss_b, rtol=rel, atol=0), (loss_a, loss_b)
+    assert loss_a.keys() == loss_b.keys() and {"total", "lm"} <= loss_a.keys(), (loss_a, loss_b)
+    for name, value in loss_a.items():
+        bound = (100 if name in CANCELLING_LOSSES else 1) * rel
+        assert torch.allclose(value, loss_b[name], rtol=bound, atol=0), (name, value, loss_b[name])
     assert grads_a.keys() == grads_b.keys()
     for name, g in grads_a.items():
         err = (g.float() - grads_b[name].float()).abs().max() / g.float().abs().max().clamp_min(1e-30)
@@ -99,9 +108,49 @@ def test_every_region_compiles_whole_and_matches_eager(dtype, text):
     assert names == compiled_regions(compiled)
     assert names == [f"decoder.layers.{i}" for i in range(cfg.num_hidden_layers)] + ["mtp.0", "loss_head"]
     ids = torch.randint(1, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
-    # aot_eager runs the ops eager runs: whole rows measured equal, bitwise
-    _assert_equal_within(_step(eager, ids), _step(compiled, ids), 1e-5 if dtype == torch.float32 else 1e-3)
+    # aot_eager runs the ops eager runs, but mHC's write-back is torch code in a region (the op's chunks eager), summed
+    # in another order. bf16: within one bf16 rounding, 2^-8 (measured: gradients 1.03e-2 <= 10 x, mHC's 0.10 <= 100
+    # x; fp32: the KL 1.5e-4, gradients 1.4e-5, mHC's 3e-5)
+    _assert_equal_within(_step(eager, ids), _step(compiled, ids), 1e-5 if dtype == torch.float32 else 2**-8)
     assert compiled_regions(eager) == []
+
+
+def _traced_graphs(model: torch.nn.Module, vocab: int) -> list[tuple[bool, set[str]]]:
+    """Compile `model`'s regions with a backend that records, for each graph dynamo hands it, whether any input has a
+    symbolic size and the ops it calls, and runs the graph as traced; one step of 2 rows of 24 tokens."""
+    graphs = []
+
+    def recording(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        values = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+        sizes = [s for v in values for s in (v.shape if isinstance(v, torch.Tensor) else (v,))]
+        ops = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+        graphs.append((any(isinstance(s, torch.SymInt) for s in sizes), ops))
+        return gm.forward
+
+    torch._dynamo.reset()
+    apply_compile(model, backend=recording)
+    ids = torch.randint(1, vocab, (2, 24), generator=torch.Generator().manual_seed(1))
+    model(ids, labels=ids)
+    return graphs
+
+
+@pytest.mark.slow
+def test_every_region_is_traced_with_static_shapes_and_mhc_as_torch_code(monkeypatch):
+    """The first layer takes the embedding, every other the 4x longer packed streams: under torch.compile's default
+    the second layer would be traced with a symbolic length (dynamo's automatic dynamic) and every later one with it
+    (3.4x the fp32 trace above). `compile.DYNAMIC = False` keeps every graph static. The control: torch's default
+    gives symbolic graphs, which this check sees. On the CPU, mHC's write-back enters the graphs as torch code
+    (`hc_post_traced`), not as its op's opaque eager chunks."""
+    _, compiled, cfg = _model(torch.float32, EACH_KIND_ONCE)
+    graphs = _traced_graphs(compiled, cfg.vocab_size)
+    assert len(graphs) == 5 and not any(symbolic for symbolic, _ in graphs), graphs  # 3 layers, MTP, the head
+    assert not any("hc_post" in op for _, ops in graphs for op in ops)
+    # the recording sees ops: DSA's attention is its opaque op
+    assert any("sparse_attention_reference" in op for _, ops in graphs for op in ops)
+    monkeypatch.setattr(glm53_ds.compile, "DYNAMIC", None)
+    _, default, _ = _model(torch.float32, EACH_KIND_ONCE)
+    assert any(symbolic for symbolic, _ in _traced_graphs(default, cfg.vocab_size))
+    torch._dynamo.reset()
 
 
 @pytest.mark.slow
