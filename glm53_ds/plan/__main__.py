@@ -80,7 +80,7 @@ FITS, DOES_NOT_FIT, REFUSED = 0, 1, 2
 # a compiled run's activations are not modelled: the compiled step keeps less than eager's (inductor fuses what eager
 # keeps between its kernels), measured only on the CPU so far (benchmarks/README.md)
 COMPILED_PEAK_NOTE = (
-    "on the CPU the compiled step's allocator peak is 0.57-0.69x eager's; not yet measured on CUDA"
+    "on the CPU the compiled step's allocator peak is 0.54-0.69x eager's; not yet measured on CUDA"
 )
 
 
