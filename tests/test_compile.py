@@ -65,12 +65,14 @@ def _packed_rows(
     return graphs
 
 
-def _step(model: torch.nn.Module, ids: torch.Tensor, **kw) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _step(
+    model: torch.nn.Module, ids: torch.Tensor, **kw
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     parts = model(ids, labels=ids, return_parts=True, **kw)
     parts.total.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    # a model without DSA layers has no indexer loss
+    # every loss the model reports (a model without DSA layers has no indexer loss, without MTP no MTP loss)
     losses = {k: t.detach() for k, t in vars(parts).items() if isinstance(t, torch.Tensor) and t.dim() == 0}
     return losses, grads
 
