@@ -257,6 +257,15 @@ def _hc_post(dtype: torch.dtype, tokens: int) -> None:
     kernels.hc_post_backward(torch.randn_like(residual), x, residual, post, comb)
 
 
+def _sinkhorn(dtype: torch.dtype, tokens: int) -> None:
+    """mHC's Sinkhorn as hc_pre calls it: the mixing weights in fp32 whatever the activation dtype, 20 iterations."""
+    from glm53_ds.mhc import sinkhorn_triton as kernels
+
+    comb = torch.softmax(torch.randn(tokens, STREAMS, STREAMS), -1)
+    kernels.sinkhorn_forward(comb, 20, 1e-6)
+    kernels.sinkhorn_backward(torch.randn_like(comb), comb, 20, 1e-6)
+
+
 def _block_fp8(dtype: torch.dtype, tokens: int) -> None:
     """The block-FP8 expert GEMM as a LoRA run on the FP8 release calls it: forward (W^T) and input gradient (W) of
     a routed expert's gate_up weight [2I, D] at the released width, 128 x 128 blocks."""
@@ -296,7 +305,13 @@ def _indexer(dtype: torch.dtype, tokens: int) -> None:
     kernel.indexer_topk(q, weights, keys, visible_from, 0, 128, INDEXER_DIM**-0.5, visible_to)
 
 
-CALLERS = {"dsa": _dsa, "hc_post": _hc_post, "block_fp8": _block_fp8, "indexer": _indexer}
+CALLERS = {
+    "dsa": _dsa,
+    "hc_post": _hc_post,
+    "sinkhorn": _sinkhorn,
+    "block_fp8": _block_fp8,
+    "indexer": _indexer,
+}
 # their tiles follow the heads
 _DSA_KERNELS = {
     "_fwd_kernel",

@@ -1,17 +1,18 @@
 """Kernel backends, chosen by configuration: one resolver for every kernel choice of the model.
 
-Five fields of `Glm53TransformerConfig` pick how a part of the model is computed:
+Six fields of `Glm53TransformerConfig` pick how a part of the model is computed:
 
 | field           | values                 | default | what                                                          |
 |-----------------|------------------------|---------|---------------------------------------------------------------|
 | `attention_impl`| `auto`, `sparse`, `triton`, `dense`, `eager` | `auto` | MLA core: DSA sparse attention (Triton kernel on CUDA, torch reference elsewhere), or the dense masked path (fused SDPA, or HF's eager expression) |
 | `kda_impl`      | `auto`, `torch`, `fla` | `auto`  | KDA chunked delta rule: fla-core's kernel on CUDA when installed |
 | `hc_post_impl`  | `auto`, `eager`, `triton` | `auto` | mHC write-back: fused Triton kernels on CUDA                |
+| `sinkhorn_impl` | `auto`, `torch`, `triton` | `auto` | mHC's Sinkhorn normalisation: one fused Triton kernel forward and one backward on CUDA (`mhc/sinkhorn_triton.py`), the tokens-last torch Function elsewhere |
 | `indexer_impl`  | `auto`, `torch`, `triton` | `auto` | DSA indexer's scores and top-k: the streaming Triton kernel on CUDA (`layers/indexer_topk_triton.py`), HF's expression in torch elsewhere; the same choice but at exact ties, which the kernel ranks by ascending pool (`layers/indexer_topk.py`) |
 | `moe_impl`      | `auto`, `grouped`, `loop` | `auto` | routed experts: grouped GEMMs over tokens sorted by expert, or the per-expert reference loop (`auto`: grouped when the sizes meet the grouped GEMM's 16-byte alignment) |
 
 Environment variables only supply the defaults, read when a config is built (`GLM53_ATTENTION`, `GLM53_KDA`,
-`GLM53_HC_POST`, `GLM53_INDEXER`, `GLM53_MOE`); a config's value is then what runs. `auto` is resolved per call from the tensors' device.
+`GLM53_HC_POST`, `GLM53_SINKHORN`, `GLM53_INDEXER`, `GLM53_MOE`); a config's value is then what runs. `auto` is resolved per call from the tensors' device.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import os
 
 import torch
 
-ATTENTION, KDA, HC_POST, INDEXER, MOE = (
+ATTENTION, KDA, HC_POST, SINKHORN, INDEXER, MOE = (
     "attention_impl",
     "kda_impl",
     "hc_post_impl",
+    "sinkhorn_impl",
     "indexer_impl",
     "moe_impl",
 )
@@ -32,22 +34,24 @@ CHOICES = {
     ATTENTION: ("auto", "sparse", "triton", "dense", "eager"),
     KDA: ("auto", "torch", "fla"),
     HC_POST: ("auto", "eager", "triton"),
+    SINKHORN: ("auto", "torch", "triton"),
     INDEXER: ("auto", "torch", "triton"),
     MOE: ("auto", "grouped", "loop"),
 }
 ENV = {
-    ATTENTION: "GLM53_ATTENTION", KDA: "GLM53_KDA", HC_POST: "GLM53_HC_POST", INDEXER: "GLM53_INDEXER",
-    MOE: "GLM53_MOE",
+    ATTENTION: "GLM53_ATTENTION", KDA: "GLM53_KDA", HC_POST: "GLM53_HC_POST", SINKHORN: "GLM53_SINKHORN",
+    INDEXER: "GLM53_INDEXER", MOE: "GLM53_MOE",
 }  # fmt: skip
 # former names, still accepted: `sdpa` was the dense path's fused-SDPA backend
 ALIASES: dict[str, dict[str, str]] = {
     ATTENTION: {"sdpa": "dense"},
     KDA: {},
     HC_POST: {},
+    SINKHORN: {},
     INDEXER: {},
     MOE: {},
 }
-DEFAULT = {ATTENTION: "auto", KDA: "auto", HC_POST: "auto", INDEXER: "auto", MOE: "auto"}
+DEFAULT = {ATTENTION: "auto", KDA: "auto", HC_POST: "auto", SINKHORN: "auto", INDEXER: "auto", MOE: "auto"}
 
 
 def check(field: str, value: str, source: str | None = None) -> str:
@@ -97,7 +101,7 @@ def resolve(field: str, value: str, device: torch.device) -> str:
     if device.type == "meta":
         if field == KDA:
             return "torch"
-        if field in (ATTENTION, HC_POST, INDEXER) and value in ("auto", "triton"):
+        if field in (ATTENTION, HC_POST, SINKHORN, INDEXER) and value in ("auto", "triton"):
             return "triton"
     cuda = device.type == "cuda"
     if field == KDA:
@@ -116,7 +120,7 @@ def resolve(field: str, value: str, device: torch.device) -> str:
                 f"{ATTENTION}='triton' needs the triton package and CUDA tensors (or TRITON_INTERPRET=1, Triton's "
                 f"CPU interpreter); 'sparse' is the same attention in torch"
             )
-    elif field in (HC_POST, INDEXER):
+    elif field in (HC_POST, SINKHORN, INDEXER):
         if value == "auto":
             return "triton" if cuda and importable("triton") else ("eager" if field == HC_POST else "torch")
         if value == "triton":

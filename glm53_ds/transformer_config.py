@@ -35,6 +35,7 @@ class Glm53TransformerConfig(TransformerConfig):
     attention_impl: str = field(default_factory=lambda: backends.default(backends.ATTENTION))
     kda_impl: str = field(default_factory=lambda: backends.default(backends.KDA))
     hc_post_impl: str = field(default_factory=lambda: backends.default(backends.HC_POST))
+    sinkhorn_impl: str = field(default_factory=lambda: backends.default(backends.SINKHORN))
     indexer_impl: str = field(default_factory=lambda: backends.default(backends.INDEXER))
     moe_impl: str = field(default_factory=lambda: backends.default(backends.MOE))
     # Selective recompute of the mHC pre/post (megatron validates recompute_modules against its own list,

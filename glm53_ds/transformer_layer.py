@@ -90,7 +90,7 @@ class Glm53TransformerLayer(TransformerLayer):
         self.mhc_tile_tokens = mhc_tile_rows(getattr(config, "moe_tile_bytes", 0), config.glm.hc_mult,
                                              config.hidden_size)  # fmt: skip
         # fn in the model dtype, as HF keeps it (base/scale stay fp32 inside HyperConnection)
-        hc_kwargs = dict(fn_dtype=config.params_dtype)
+        hc_kwargs = dict(fn_dtype=config.params_dtype, sinkhorn_impl=config.sinkhorn_impl)
         self.attn_hc = (
             build_module(submodules.attn_hc, **hc_kwargs) if submodules.attn_hc is not None else None
         )

@@ -26,6 +26,8 @@ COMMON = {
     "segment_sum_kernel",
     "hc_post_fwd_kernel",
     "hc_post_bwd_kernel",
+    "sinkhorn_fwd_kernel",  # fp32 in both runs: mHC's mixing weights are fp32 whatever the activations
+    "sinkhorn_bwd_kernel",
     "block_fp8_gemm_kernel",
 }
 KERNELS = {  # the DSA backward: one fused kernel per query in bf16 (and its atomic alternative), two in fp32

@@ -21,8 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import backends
+from .sinkhorn_op import sinkhorn_fused
 
-def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float, impl: str = "torch") -> torch.Tensor:
     """Make `comb [..., n, n]` (positive, rows already softmax-normalised) approximately doubly stochastic.
 
     HF's schedule: one column normalisation, then `iters - 1` rounds of row and column normalisation,
@@ -33,7 +36,13 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     tokens at the released n = 4 and 20 iterations takes 2.3 ms instead of autograd's 8.4 over the plain loop (1 CPU
     thread; 8,192 tokens: 17 vs 62 ms), with the same forward values and gradients within fp32 rounding; compiled
     (inductor traces the Function), 3.05 ms instead of the plain loop's 4.35.
+
+    `impl` (a resolved `sinkhorn_impl`, glm53_ds/backends.py): `torch` = that Function; `triton` = the fused kernels
+    (`sinkhorn_op.py`: one kernel forward, one backward, which keeps only comb), for a GPU, where the Function is
+    about 240 small kernel launches per call.
     """
+    if impl == "triton":
+        return sinkhorn_fused(comb, iters, eps)
     return _TokensLastSinkhorn.apply(comb, iters, eps)
 
 
@@ -77,7 +86,8 @@ class HyperConnection(nn.Module):
     Parameters (HF names and init): `fn [(2+n)*n, n*D]` ~ N(0, 0.02), `base [(2+n)*n]` = 0, `scale [3]` = 1.
     `base` and `scale` are fp32 (HF's `_keep_in_fp32_modules_strict`); `fn` is fp32 by default and may be kept
     in bf16 (`fn_dtype`), as a model loaded in bf16 has it: it is upcast for the fp32 projection either way.
-    `collapsed` has the streams' dtype; `post` and `comb` are fp32.
+    `collapsed` has the streams' dtype; `post` and `comb` are fp32. `sinkhorn_impl` (`auto`, `torch`, `triton`;
+    glm53_ds/backends.py) picks Sinkhorn's kernels, resolved per call from the streams' device.
     """
 
     def __init__(
@@ -89,6 +99,7 @@ class HyperConnection(nn.Module):
         norm_eps: float,
         *,
         fn_dtype: torch.dtype = torch.float32,
+        sinkhorn_impl: str = "auto",
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
@@ -101,6 +112,7 @@ class HyperConnection(nn.Module):
         self.hc_eps = float(hc_eps)
         self.sinkhorn_iters = sinkhorn_iters
         self.norm_eps = float(norm_eps)
+        self.sinkhorn_impl = backends.check(backends.SINKHORN, sinkhorn_impl)
         n = hc_mult
         mix_size = (2 + n) * n  # pre (n) + post (n) + comb (n*n)
         self.fn = nn.Parameter(torch.empty(mix_size, n * hidden_size, dtype=fn_dtype, device=device))
@@ -141,7 +153,8 @@ class HyperConnection(nn.Module):
         pre = torch.sigmoid(pre_w * pre_scale + pre_b) + self.hc_eps
         post = 2 * torch.sigmoid(post_w * post_scale + post_b)
         comb = torch.softmax(comb_w * comb_scale + comb_b.view(n, n), dim=-1) + self.hc_eps
-        comb = sinkhorn(comb, self.sinkhorn_iters, self.hc_eps)
+        impl = backends.resolve(backends.SINKHORN, self.sinkhorn_impl, comb.device)
+        comb = sinkhorn(comb, self.sinkhorn_iters, self.hc_eps, impl)
         return pre, post, comb
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ def kernels_line(model: nn.Module, device: torch.device) -> str:
     config: Any = model.config
     parts = [f"{label} {backends.resolve(name, getattr(config, name), device)}"
              for label, name in (("attention", backends.ATTENTION), ("KDA", backends.KDA),
-                                 ("mHC post", backends.HC_POST))]  # fmt: skip
+                                 ("mHC post", backends.HC_POST), ("Sinkhorn", backends.SINKHORN))]  # fmt: skip
     experts = next((m for m in model.modules() if isinstance(m, GroupedExperts)), None)
     if experts is not None:
         parts.append(f"MoE {experts.impl(config.params_dtype)}")

@@ -25,7 +25,7 @@ from glm53_ds.layers import (  # noqa: F401  (their ops)
     sparse_attention_triton,
 )  # fmt: skip
 from glm53_ds.layers.moe import grouped_mm  # noqa: F401
-from glm53_ds.mhc import hc_post_op  # noqa: F401
+from glm53_ds.mhc import hc_post_op, sinkhorn_op  # noqa: F401
 
 
 def _sparse(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,6 +77,23 @@ def _hc_post() -> list[tuple]:
 def _hc_post_backward() -> list[tuple]:
     inputs = [t.detach() for t in _hc_post_inputs()]
     return [(torch.randn(inputs[1].shape), *inputs, backend) for backend in ("eager", "triton")]
+
+
+def _sinkhorn_comb() -> torch.Tensor:
+    """[2, 5, 4, 4] rows normalised by softmax, as a non-contiguous view (the op returns a contiguous tensor)."""
+    g = torch.Generator().manual_seed(7)
+    comb = torch.softmax(torch.randn(5, 2, 4, 4, generator=g), -1).transpose(0, 1)
+    return comb.requires_grad_()
+
+
+def _sinkhorn() -> list[tuple]:
+    comb = _sinkhorn_comb()
+    return [(comb, 3, 1e-6), (comb.detach().contiguous().requires_grad_(), 1, 1e-3)]
+
+
+def _sinkhorn_backward() -> list[tuple]:
+    comb = _sinkhorn_comb().detach()
+    return [(torch.randn(comb.shape), comb, 3, 1e-6)]
 
 
 def _kda_reference() -> list[tuple]:
@@ -168,6 +185,8 @@ SAMPLES: dict[str, Callable[[], list[tuple]]] = {
     "glm53::sparse_attention_triton_backward": _sparse_triton_backward,
     "glm53::hc_post": _hc_post,
     "glm53::hc_post_backward": _hc_post_backward,
+    "glm53::sinkhorn_triton": _sinkhorn,
+    "glm53::sinkhorn_triton_backward": _sinkhorn_backward,
     "glm53::kda_reference": _kda_reference,
     "glm53::block_fp8_grouped_mm": _block_fp8_grouped_mm,
 }

@@ -37,7 +37,9 @@ def test_a_run_says_its_kernels_and_ends_with_a_summary(tmp_path):
                "--eval-interval", "2", "--output-dir", str(out))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     # CPU: the torch reference of each kernel, `auto` said as what it resolved to
-    assert "kernels: attention sparse, KDA torch, mHC post eager, MoE " in proc.stderr, proc.stderr[-3000:]
+    assert "kernels: attention sparse, KDA torch, mHC post eager, Sinkhorn torch, MoE " in proc.stderr, (
+        proc.stderr[-3000:]
+    )
     summary = next(line for line in proc.stderr.splitlines() if line.startswith("run: "))
     records = [r for r in metrics(out) if "lm_loss" in r]
     valid = min((r["valid_lm_loss"], r["step"]) for r in metrics(out) if "valid_lm_loss" in r)
