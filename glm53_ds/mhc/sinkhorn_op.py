@@ -29,11 +29,15 @@ def check_contract(comb: torch.Tensor) -> None:
         raise TypeError(f"sinkhorn (Triton): comb must be fp32 (mHC's mixing weights are), got {comb.dtype}")
 
 
-@torch.library.custom_op("glm53::sinkhorn_triton", mutates_args=())
-def _sinkhorn_op(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+def _kernels() -> Any:
     from . import sinkhorn_triton  # lazy: Triton reads TRITON_INTERPRET when the kernels are defined
 
-    return sinkhorn_triton.sinkhorn_forward(comb, iters, eps)
+    return sinkhorn_triton
+
+
+@torch.library.custom_op("glm53::sinkhorn_triton", mutates_args=())
+def _sinkhorn_op(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    return _kernels().sinkhorn_forward(comb, iters, eps)
 
 
 @_sinkhorn_op.register_fake
@@ -44,9 +48,7 @@ def _(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 @torch.library.custom_op("glm53::sinkhorn_triton_backward", mutates_args=())
 def _sinkhorn_backward_op(grad: torch.Tensor, comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    from . import sinkhorn_triton
-
-    return sinkhorn_triton.sinkhorn_backward(grad, comb, iters, eps)
+    return _kernels().sinkhorn_backward(grad, comb, iters, eps)
 
 
 @_sinkhorn_backward_op.register_fake
