@@ -24,9 +24,12 @@ import triton.language as tl
 
 from ..mhc.hc_post_triton import _round_fp32
 
-# (BLOCK_M, BLOCK_N, BLOCK_K): bf16 / fp16 on wgmma 64 x 128 x 16 (benchmarks/sm90_compile.py: no spill); fp32 (FMA,
-# no tensor cores) in tiles a thread's registers hold
+# (BLOCK_M, BLOCK_N, BLOCK_K): bf16 / fp16 on wgmma, two warpgroups of 64 x 64 x 16 (benchmarks/sm90_compile.py:
+# 145 registers, no spill under Triton 3.9, 138-192 under the GPU image's 3.6; with 4 warps, one 64 x 128 x 16
+# warpgroup, 3.9 needed 247 and 3.6 spilled inside the K loop); fp32 (FMA, no tensor cores) in tiles a thread's
+# registers hold
 TILES = {2: (64, 128, 64), 4: (32, 64, 16)}
+WARPS = {2: 8, 4: 4}
 
 
 @triton.jit
@@ -121,6 +124,6 @@ def grouped_mm(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, row_blo
         x.stride(0), x.stride(1), bits.stride(0), stride_wk, stride_wo, scale.stride(0), stride_sk, stride_so,
         out.stride(0), out.stride(1),
         E_POW2=triton.next_power_of_2(e), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=WARPS[x.element_size()],
     )  # fmt: skip
     return out
