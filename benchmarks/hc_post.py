@@ -1,4 +1,5 @@
-"""hc_post benchmark: eager vs fused Triton vs HF's expression.
+"""hc_post benchmark: eager vs fused Triton vs HF's expression; and mHC's Sinkhorn, the torch Function vs its fused
+Triton kernels.
 
 For each (tokens, hc_mult, hidden, dtype): forward and forward+backward time, bytes moved by an ideal forward
 (read x, residual, post, comb; write the output), achieved GB/s and % of the measured copy bandwidth, and peak
@@ -8,8 +9,12 @@ On CPU it runs the eager path and the HF expression; the fused kernels run where
     python3 benchmarks/hc_post.py                       # default sizes for the device
     python3 benchmarks/hc_post.py --tokens 16384 --hidden 4096 --hc-mult 4 --dtype bf16
 
-Last line: `hc_post eager_mem_ratio_vs_hf=<eager peak / HF peak>` (+ ` fused_speedup=<HF fwd+bwd / fused>`
-on a GPU), for the last size measured. JSON goes to benchmarks/results/hc_post_<device>.json.
+Sinkhorn (hc_pre's mixing weights, fp32, 20 iterations) at the largest token count: forward+backward time of the
+tokens-last torch Function (about 240 kernel launches per call on a GPU) and, on a GPU, of the fused kernels
+(`sinkhorn_impl=triton`).
+
+Last line: `hc_post eager_mem_ratio_vs_hf=<eager peak / HF peak>` (+ ` fused_speedup=<HF fwd+bwd / fused>
+sinkhorn_fused_speedup=<torch Function fwd+bwd / fused kernels>` on a GPU), for the last size measured. JSON goes to benchmarks/results/hc_post_<device>.json.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from benchmarks.measure import (  # noqa: E402
     time_call,
     write_results,
 )
-from glm53_ds.mhc import hc_post, hc_post_hf_expression  # noqa: E402
+from glm53_ds.mhc import hc_post, hc_post_hf_expression, sinkhorn  # noqa: E402
 from glm53_ds.mhc.hc_post_op import hc_post_forward_eager  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -96,6 +101,27 @@ def bench_one(
     return rows
 
 
+def bench_sinkhorn(tokens: int, n: int, device: torch.device, iters: int = 20) -> list[dict]:
+    """Sinkhorn fwd+bwd as hc_pre runs it: the torch Function, and the fused kernels on a GPU."""
+    g = torch.Generator(device=device).manual_seed(1)
+    comb = torch.softmax(torch.randn(tokens, n, n, generator=g, device=device), dim=-1) + 1e-6
+    comb.requires_grad_(True)
+    weights = torch.randn(tokens, n, n, generator=g, device=device)
+    rows = []
+    for impl in ["torch"] + (["triton"] if device.type == "cuda" else []):
+
+        def fwd_bwd(impl=impl) -> None:
+            comb.grad = None
+            (sinkhorn(comb, iters, 1e-6, impl) * weights).sum().backward()
+
+        rows.append(
+            dict(
+                impl=impl, tokens=tokens, hc_mult=n, iters=iters, fwd_bwd_ms=time_call(fwd_bwd, device) * 1e3
+            )
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -126,6 +152,9 @@ def main() -> None:
          "peak_extra_MiB"],
     )  # fmt: skip
 
+    sinkhorn_rows = bench_sinkhorn(max(tokens_list), args.hc_mult, device)
+    print_table(sinkhorn_rows, ["impl", "tokens", "hc_mult", "iters", "fwd_bwd_ms"])
+
     last = {r["path"]: r for r in rows[-len(rows) // (len(dtypes) * len(tokens_list)) :]}
     summary = {
         "eager_mem_ratio_vs_hf": last["eager"]["peak_extra_MiB"] / last["hf_expression"]["peak_extra_MiB"]
@@ -135,16 +164,25 @@ def main() -> None:
         summary["fused_mem_ratio_vs_hf"] = (
             last["fused"]["peak_extra_MiB"] / last["hf_expression"]["peak_extra_MiB"]
         )
+    sinkhorn_ms = {r["impl"]: r["fwd_bwd_ms"] for r in sinkhorn_rows}
+    if "triton" in sinkhorn_ms:
+        summary["sinkhorn_fused_speedup"] = sinkhorn_ms["torch"] / sinkhorn_ms["triton"]
     path = write_results(
         args.out or f"hc_post_{device.type}",
         dict(
-            device=device_description(device), copy_bandwidth_GBps=copy_bw / 1e9, rows=rows, summary=summary
+            device=device_description(device),
+            copy_bandwidth_GBps=copy_bw / 1e9,
+            rows=rows,
+            sinkhorn=sinkhorn_rows,
+            summary=summary,
         ),
     )
     print(f"results: {path}")
     line = f"hc_post eager_mem_ratio_vs_hf={summary['eager_mem_ratio_vs_hf']:.3f}"
     if "fused_speedup" in summary:
         line += f" fused_speedup={summary['fused_speedup']:.3f}"
+    if "sinkhorn_fused_speedup" in summary:
+        line += f" sinkhorn_fused_speedup={summary['sinkhorn_fused_speedup']:.3f}"
     print(line)
 
 
