@@ -35,14 +35,14 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
-def make_pair(hidden, n, iters, hc_eps, norm_eps, seed=0):
+def make_pair(hidden, n, iters, hc_eps, norm_eps, seed=0, sinkhorn_impl="auto"):
     """HF module and ours with identical, non-trivial parameters (HF init has base=0, scale=1; perturb both)."""
     hf = hf_modeling.Glm5NextTextHyperConnection(
         hf_text_config(
             hidden_size=hidden, hc_mult=n, hc_sinkhorn_iters=iters, hc_eps=hc_eps, rms_norm_eps=norm_eps
         )
     )
-    ours = HyperConnection(hidden, n, hc_eps, iters, norm_eps)
+    ours = HyperConnection(hidden, n, hc_eps, iters, norm_eps, sinkhorn_impl=sinkhorn_impl)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         ours.fn.normal_(0.0, 0.5, generator=g)
@@ -77,8 +77,10 @@ def forward_backward(module_fn, params, streams, seed=2):
 
 @pytest.mark.parametrize("n, iters, hc_eps, norm_eps", CASES)
 @pytest.mark.parametrize("magnitude", [1.0, 1e-3])
-def test_fp32_forward_and_gradients_match_hf(n, iters, hc_eps, norm_eps, magnitude):
-    hf, ours = make_pair(24, n, iters, hc_eps, norm_eps)
+# triton: the fused Sinkhorn kernels, in Triton's interpreter
+@pytest.mark.parametrize("sinkhorn_impl", ["torch", "triton"])
+def test_fp32_forward_and_gradients_match_hf(n, iters, hc_eps, norm_eps, magnitude, sinkhorn_impl):
+    hf, ours = make_pair(24, n, iters, hc_eps, norm_eps, sinkhorn_impl=sinkhorn_impl)
     streams = random_streams((2, 5, n, 24), scale=magnitude)
     hf_out, hf_grads = forward_backward(lambda s: hf_outputs(hf, s), [hf.fn, hf.base, hf.scale], streams)
     our_out, our_grads = forward_backward(ours, [ours.fn, ours.base, ours.scale], streams)
